@@ -1,0 +1,80 @@
+"""Every call that depends on the transformers version lives here (tested with transformers 5.24).
+
+- 5.x renames the cache argument of forward/generate from ``past_key_values`` to ``cache`` (5.24 warns on
+  the old name); ``cache_kwarg()`` says which one this version takes.
+- Custom attention functions are registered with ``AttentionInterface``; a name the mask registry
+  (``AttentionMaskInterface``) does not know gets *no* mask at all, so padded batches would silently
+  attend to padding: we register transformers' own sdpa mask under our name too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+__all__ = ["sdpa_attention_forward", "cache_kwarg", "register_attention", "layer_types", "TRANSFORMERS_VERSION"]
+
+TRANSFORMERS_VERSION = transformers.__version__
+
+
+@cache
+def cache_kwarg() -> str:
+    """The keyword ``generate``/``forward`` take the cache under in this transformers version."""
+    from transformers.generation import utils as gen_utils
+
+    names = getattr(gen_utils, "ALL_CACHE_NAMES", None)
+    if names and names[0] == "cache":
+        return "cache"
+    return "past_key_values"
+
+
+def generate_cache_kwargs(cache_obj: Any) -> dict[str, Any]:
+    return {cache_kwarg(): cache_obj}
+
+
+def register_attention(name: str, fn: Callable) -> None:
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def set_attention(model: torch.nn.Module, name: str) -> None:
+    """Switch a loaded model's attention implementation to ``name`` (already registered)."""
+    if getattr(model.config, "_attn_implementation", None) == name:
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None and "allow_all_kernels" in inspect.signature(setter).parameters:
+        setter(name)
+    elif setter is not None:
+        setter(name)
+    else:  # older 5.x: the config attribute is what the modules read
+        model.config._attn_implementation = name
+
+
+def text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def layer_types(config: Any) -> list[str]:
+    """Per decoder layer: "full_attention", "sliding_attention", ... (what DynamicCache would build)."""
+    config = text_config(config)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, _ = get_layer_types_and_kwargs(config)
+        return list(types)
+    except ImportError:  # pragma: no cover - older 5.x
+        types = getattr(config, "layer_types", None)
+        return list(types) if types else ["full_attention"] * config.num_hidden_layers
+
+
+def sliding_window(config: Any) -> int | None:
+    return getattr(text_config(config), "sliding_window", None)

@@ -1,0 +1,132 @@
+"""The zoomkv attention function, registered with transformers as ``"zoomkv"``.
+
+Query-aware selection needs the query, and only the attention call sees it. So ``ZoomCache.update``
+marks which layer is being run, and this function, called right after by the attention module, does:
+
+- prefill: exact attention over the prompt (transformers' sdpa), then hands the layer's post-RoPE keys,
+  values and queries to ``method.compress``;
+- decode: ``method.append`` the new row, ``method.select(query)``, and one softmax over the chosen rows
+  with their per-row logit bias.
+
+Anything that is not a ``ZoomCache`` full-attention layer (sliding-window layers, plain generate without a
+ZoomCache, training forwards) goes straight to sdpa, untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zoomkv.compat import register_attention, sdpa_attention_forward
+from zoomkv.errors import BudgetExceededError, ZoomKVError
+from zoomkv.methods.base import PrefillContext, Selection
+
+ATTENTION_NAME = "zoomkv"
+
+_active = threading.local()
+
+
+def mark_active(cache: Any, layer_idx: int) -> None:
+    _active.cache = cache
+    _active.layer_idx = layer_idx
+
+
+def _take_active(layer_idx: int) -> Any:
+    cache = getattr(_active, "cache", None)
+    if cache is None or getattr(_active, "layer_idx", None) != layer_idx:
+        return None
+    _active.cache = None
+    return cache
+
+
+def valid_rows_from_mask(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """``[batch, length]`` bool: which prompt rows are real tokens (False on left padding)."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    last = attention_mask[:, 0, -1, :length]  # the last query sees every real token before it
+    valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    if bool(valid.all()):
+        return None
+    return valid
+
+
+def attend(query: torch.Tensor, sel: Selection, scaling: float) -> torch.Tensor:
+    """One softmax over the selected rows. ``query`` ``[b, hq, 1, d]`` → output ``[b, 1, hq, dv]``."""
+    b, hq, q_len, d = query.shape
+    kv_heads = sel.keys.shape[1]
+    grouped = query.reshape(b, kv_heads, (hq // kv_heads) * q_len, d)  # query head h → KV head h // groups
+    mask = None
+    if sel.bias is not None:
+        mask = sel.bias.to(query.dtype)[:, :, None, :]
+    out = F.scaled_dot_product_attention(grouped, sel.keys, sel.values, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, q_len, -1).transpose(1, 2)
+
+
+def zoomkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    layer_idx = getattr(module, "layer_idx", None)
+    cache = _take_active(layer_idx) if layer_idx is not None else None
+    memory = cache.zoom_layer(layer_idx) if cache is not None else None
+    if memory is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ZoomKVError("attention logit soft-capping is not supported by zoomkv's attention")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    method = cache.method
+
+    if not memory.compressed:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+        length = key.shape[2]
+        budget = cache.resolve_budget(length)
+        ctx = PrefillContext(
+            layer_idx=layer_idx,
+            num_layers=cache.num_zoom_layers,
+            keys=key,
+            values=value,
+            queries=query,
+            valid=valid_rows_from_mask(attention_mask, length),
+            budget=budget,
+            scaling=scale,
+            num_kv_groups=query.shape[1] // key.shape[1],
+        )
+        method.compress(memory, ctx)
+        memory.compressed = True
+        _check_budget(cache, memory, budget)
+        return out, None
+
+    if query.shape[2] != 1:
+        raise ZoomKVError(
+            "a ZoomCache takes one prefill and then one token per step; to process new multi-token input, "
+            "start from a fresh ZoomCache"
+        )
+    method.append(memory, key, value)
+    sel = method.select(memory, query)
+    _check_budget(cache, memory, cache.budget_rows)
+    if sel.use_model_mask:
+        out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+        return out, None
+    return attend(query, sel, scale), None
+
+
+def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
+    rows = cache.method.device_rows(memory)
+    memory.max_device_rows = max(memory.max_device_rows, rows)
+    if cache.method.uses_budget and budget is not None and rows > budget:
+        raise BudgetExceededError(
+            f"method {cache.method.name!r} holds {rows} device-tier rows per KV head in layer "
+            f"{memory.layer_idx}, over its budget of {budget}"
+        )
+
+
+register_attention(ATTENTION_NAME, zoomkv_attention_forward)

@@ -1,0 +1,156 @@
+"""``ZoomCache``: a transformers ``Cache`` whose full-attention layers are ``LayerMemory``s run by a KV method.
+
+    cache = ZoomCache(model, method="oracle_topk", budget=256)
+    out = model.generate(**inputs, **generate_cache_kwargs(cache))   # i.e. cache=cache / past_key_values=cache
+    print(cache.memory_report().format())
+
+Sliding-window layers of hybrid models (Gemma 3) keep transformers' own sliding-window layer: they are
+already bounded, so they pass through untouched (and are reported as device-tier bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+from zoomkv import compat
+from zoomkv.budget import Budget
+from zoomkv.errors import BudgetError
+from zoomkv.memory.attention import ATTENTION_NAME, mark_active
+from zoomkv.memory.layer import LayerMemory
+from zoomkv.methods import get_method
+from zoomkv.methods.base import KVMethod
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    kind: str  # "zoom" (run by the method) or "sliding" (passed through)
+    device_bytes: int
+    host_bytes: int
+    full_kv_bytes: int
+    max_device_rows: int  # per KV head, over all decode steps so far (zoom layers)
+
+
+@dataclass
+class MemoryReport:
+    method: str
+    budget: int | None
+    tokens: int
+    layers: list[LayerReport] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(r.device_bytes for r in self.layers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(r.host_bytes for r in self.layers)
+
+    @property
+    def full_kv_bytes(self) -> int:
+        return sum(r.full_kv_bytes for r in self.layers)
+
+    def totals(self) -> dict[str, int]:
+        return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "full_kv_bytes": self.full_kv_bytes}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "budget": self.budget,
+            "tokens": self.tokens,
+            **self.totals(),
+            "layers": [asdict(r) for r in self.layers],
+        }
+
+    def format(self) -> str:
+        full = max(self.full_kv_bytes, 1)
+        lines = [
+            f"memory ({self.method}, budget {self.budget if self.budget is not None else '-'} rows, {self.tokens} tokens):",
+            f"  device tier {_mib(self.device_bytes):>10}  ({self.device_bytes / full:6.1%} of full KV)",
+            f"  host tier   {_mib(self.host_bytes):>10}  ({self.host_bytes / full:6.1%} of full KV)",
+            f"  full KV     {_mib(self.full_kv_bytes):>10}",
+        ]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class ZoomCache(Cache):
+    def __init__(
+        self,
+        model_or_config: Any,
+        method: str | KVMethod = "full",
+        budget: str | int | float | Budget | None = None,
+        **method_kwargs: Any,
+    ):
+        config = getattr(model_or_config, "config", model_or_config)
+        text = compat.text_config(config)
+        self.method = get_method(method, **method_kwargs)
+        max_len = getattr(text, "max_position_embeddings", None)
+        self.budget = Budget.parse(budget, max_rows=max_len)
+        if self.method.uses_budget and self.budget is None:
+            raise BudgetError(f"method {self.method.name!r} needs a budget (e.g. budget=256 or budget=0.1)")
+        if self.budget is not None and self.budget.rows is not None:
+            self.method.check_budget(self.budget.rows)
+        self.budget_rows: int | None = None  # resolved at prefill
+        types = compat.layer_types(config)
+        layers: list[Any] = []
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                layers.append(LayerMemory(i, self))
+            elif kind in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=compat.sliding_window(config)))
+            else:
+                raise NotImplementedError(f"layer type {kind!r} (layer {i}) is not supported by ZoomCache")
+        self.num_zoom_layers = sum(isinstance(layer, LayerMemory) for layer in layers)
+        super().__init__(layers=layers)
+        if hasattr(model_or_config, "config"):
+            attach(model_or_config)
+
+    # transformers calls this right before the attention function of the same layer
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if isinstance(self.layers[layer_idx], LayerMemory):
+            mark_active(self, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def zoom_layer(self, layer_idx: int) -> LayerMemory | None:
+        layer = self.layers[layer_idx]
+        return layer if isinstance(layer, LayerMemory) else None
+
+    def resolve_budget(self, context_length: int) -> int | None:
+        if self.budget is None:
+            return None
+        if self.budget_rows is None:
+            self.budget_rows = self.budget.resolve(context_length)
+            self.method.check_budget(self.budget_rows)
+        return self.budget_rows
+
+    def memory_report(self) -> MemoryReport:
+        report = MemoryReport(method=self.method.name, budget=self.budget_rows, tokens=self.get_seq_length())
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, LayerMemory):
+                report.layers.append(
+                    LayerReport(i, "zoom", layer.device_bytes, layer.host_bytes, layer.full_kv_bytes, layer.max_device_rows)
+                )
+            else:
+                held = 0
+                if getattr(layer, "is_initialized", False) and layer.keys is not None:
+                    held = layer.keys.nbytes + layer.values.nbytes
+                report.layers.append(LayerReport(i, "sliding", held, 0, held, 0))
+        return report
+
+    @property
+    def max_device_rows(self) -> int:
+        return max((layer.max_device_rows for layer in self.layers if isinstance(layer, LayerMemory)), default=0)
+
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Route the model's attention through zoomkv. Without a ZoomCache it still behaves as plain sdpa."""
+    compat.set_attention(model, ATTENTION_NAME)
+    return model

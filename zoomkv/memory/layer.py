@@ -1,0 +1,130 @@
+"""``LayerMemory``: one full-attention layer's share of a ``ZoomCache``.
+
+It is a transformers cache layer (``CacheLayerMixin``) so ``generate()`` can drive it, but the rows it
+holds are the method's business: ``update`` only records that tokens arrived; the zoomkv attention
+function (``zoomkv.memory.attention``) then calls the method's ``compress`` at prefill and
+``append``/``select`` at each decode step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from zoomkv.memory.tiers import RowBuffer, Tier
+
+if TYPE_CHECKING:
+    from zoomkv.memory.cache import ZoomCache
+
+
+class LayerMemory(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, cache: ZoomCache):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cache = cache
+        self.seen = 0  # true number of tokens this layer has been given (positions continue from here)
+        self.compressed = False
+        self.device_tier = Tier("device", torch.device("cpu"))
+        self.host_tier = Tier("host", torch.device("cpu"))
+        self.meta: dict[str, Any] = {}
+        self.batch = self.kv_heads = self.key_dim = self.value_dim = 0
+        self.dtype = torch.float32
+        self.max_device_rows = 0  # the most device-tier rows per KV head seen at any decode step
+
+    def __repr__(self) -> str:
+        return f"LayerMemory(layer={self.layer_idx}, seen={self.seen}, method={self.cache.method.name})"
+
+    # -- transformers' cache-layer protocol ----------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.device_tier.device = key_states.device
+        self.batch, self.kv_heads, _, self.key_dim = key_states.shape
+        self.value_dim = value_states.shape[-1]
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[2]
+        # The zoomkv attention function reads the method's rows; what we return is what exact attention
+        # over this call's tokens needs (the prompt at prefill), or the new row while decoding.
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Masks are built over true positions: every token seen so far plus the new ones.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.compressed = False
+        self.device_tier.clear()
+        self.host_tier.clear()
+        self.meta.clear()
+        self.max_device_rows = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a ZoomCache cannot be cropped: compressed rows cannot be un-seen")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with a ZoomCache; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("num_return_sequences > 1 is not supported with a ZoomCache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("batch selection is not supported with a ZoomCache")
+
+    def offload(self) -> None:  # tiers are managed by the method, not by transformers' offloading
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    # -- helpers for methods ---------------------------------------------------------------------------
+    @property
+    def pin_host(self) -> bool:
+        return self.device.type == "cuda"
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host-tier copy (pinned on a CUDA machine, so recalls can copy back without blocking)."""
+        if tensor.device.type == "cpu" and not self.pin_host:
+            return tensor.contiguous()
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_host)
+        out.copy_(tensor)
+        return out
+
+    def host_rows(self, tensor: torch.Tensor) -> RowBuffer:
+        """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``)."""
+        return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
+
+    def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A preallocated device-tier buffer for ``rows`` recalled rows per KV head."""
+        return torch.empty(self.batch, self.kv_heads, rows, dim, dtype=dtype or self.dtype, device=self.device)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_tier.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_tier.nbytes
+
+    @property
+    def full_kv_bytes(self) -> int:
+        """What transformers' DynamicCache would hold for the same tokens."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.batch * self.kv_heads * self.seen * (self.key_dim + self.value_dim) * elem

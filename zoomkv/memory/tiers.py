@@ -1,0 +1,90 @@
+"""The two memory tiers and a growable row buffer.
+
+The *device tier* is the accelerator (or the CPU when there is none); the *host tier* is CPU memory,
+pinned on a CUDA machine so copies back to the device can be non-blocking. Every tensor a layer's memory
+holds lives in exactly one ``Tier`` dict, so ``memory_report()`` is just the sum of ``nbytes`` per tier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def host_device_for(device: torch.device) -> torch.device:
+    return torch.device("cpu")
+
+
+def pin_if_possible(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pin host memory when the device tier is a GPU; pinning is meaningless (and slow) without one."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        return tensor.pin_memory()
+    return tensor
+
+
+class RowBuffer:
+    """A ``[batch, heads, capacity, dim]`` tensor filled along the row axis.
+
+    Appending grows capacity in chunks instead of re-concatenating every step, which keeps decoding O(1)
+    amortised per row. ``nbytes`` counts the capacity actually allocated, since that is what is held.
+    """
+
+    GROW_ROWS = 64
+
+    def __init__(self, data: torch.Tensor, *, pinned: bool = False):
+        self.pinned = pinned and data.device.type == "cpu"
+        self.data = data.pin_memory() if self.pinned and not data.is_pinned() else data
+        self.length = data.shape[2]
+
+    @classmethod
+    def empty_like(cls, batch: int, heads: int, rows: int, dim: int, *, dtype: torch.dtype,
+                   device: torch.device, pinned: bool = False) -> RowBuffer:
+        data = torch.empty(batch, heads, rows, dim, dtype=dtype, device=device, pin_memory=pinned and device.type == "cpu")
+        buf = cls(data, pinned=pinned)
+        buf.length = 0
+        return buf
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, :, : self.length]
+
+    def append(self, rows: torch.Tensor) -> None:
+        n = rows.shape[2]
+        if self.length + n > self.capacity:
+            grow = max(self.GROW_ROWS, self.capacity // 8, n)
+            shape = list(self.data.shape)
+            shape[2] = self.capacity + grow
+            bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device, pin_memory=self.pinned)
+            bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
+            self.data = bigger
+        self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=self.pinned)
+        self.length += n
+
+
+class Tier(dict):
+    """Named tensors (or ``RowBuffer``s) of one memory tier."""
+
+    def __init__(self, name: str, device: torch.device):
+        super().__init__()
+        self.name = name
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(v) for v in self.values())
+
+
+def _nbytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, RowBuffer):
+        return value.nbytes
+    if value is None:
+        return 0
+    raise TypeError(f"a memory tier holds tensors or RowBuffers, not {type(value).__name__}")

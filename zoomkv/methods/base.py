@@ -1,0 +1,129 @@
+"""The method interface: what a KV method does at prefill (``compress``) and at each decode step
+(``append`` the new row, then ``select`` the rows to attend to).
+
+A method object holds only hyper-parameters. Everything it stores per layer goes into that layer's
+``LayerMemory``: tensors into ``memory.device_tier`` or ``memory.host_tier`` (so they are counted in the
+memory report), small Python values into ``memory.meta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from zoomkv.errors import BudgetError
+
+if TYPE_CHECKING:
+    from zoomkv.memory.layer import LayerMemory
+
+
+@dataclass
+class PrefillContext:
+    """What the runtime hands a method once the prompt went through a layer with exact attention."""
+
+    layer_idx: int
+    num_layers: int
+    keys: torch.Tensor  # [batch, kv_heads, T, head_dim], after RoPE
+    values: torch.Tensor  # [batch, kv_heads, T, head_dim]
+    queries: torch.Tensor  # [batch, q_heads, T, head_dim], after RoPE: methods slice an observation window
+    valid: torch.Tensor | None  # [batch, T] bool, False on left padding; None when nothing is padded
+    budget: int | None  # rows per KV head on the device tier; None for methods without a budget
+    scaling: float
+    num_kv_groups: int  # query heads per KV head
+
+
+@dataclass
+class Selection:
+    """The rows one decode step attends to, per KV head: one softmax over all of them.
+
+    ``bias`` is added to each row's logit (``-inf`` hides a row, ``log n`` lets one summary row stand
+    for n). ``use_model_mask`` says the rows are exactly the sequence in order, so the model's own
+    attention mask applies as is (only ``full`` does this).
+    """
+
+    keys: torch.Tensor  # [batch, kv_heads, k, head_dim] on the device tier
+    values: torch.Tensor
+    bias: torch.Tensor | None = None  # [batch, kv_heads, k]
+    use_model_mask: bool = False
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method's hyper-parameter dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class KVMethod:
+    """Base class of a KV method. Subclasses set ``name``, ``config_class`` and a one-line ``citation``."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    citation: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    recallable: ClassVar[bool] = False  # keeps every row (host tier) and can bring any back
+    uses_budget: ClassVar[bool] = True
+
+    def __init__(self, config: MethodConfig | None = None, **overrides: Any):
+        if config is None:
+            fields = {f.name for f in dataclasses.fields(self.config_class)}
+            unknown = sorted(set(overrides) - fields)
+            if unknown:
+                raise TypeError(
+                    f"unknown hyper-parameter(s) {unknown} for method {self.name!r}; valid: {sorted(fields)}"
+                )
+            config = self.config_class(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+    # -- budget ---------------------------------------------------------------------------------------
+    def min_budget(self) -> int:
+        """The smallest budget this method can meet (its fixed rows: sinks, windows...)."""
+        return 1
+
+    def check_budget(self, budget: int | None) -> None:
+        if not self.uses_budget:
+            return
+        if budget is None:
+            raise BudgetError(f"method {self.name!r} needs a budget (e.g. --budget 256 or --budget 0.1)")
+        if budget < self.min_budget():
+            raise BudgetError(
+                f"method {self.name!r} cannot meet a budget of {budget} rows: it needs at least "
+                f"{self.min_budget()} (with {self.config})"
+            )
+
+    # -- the three hooks --------------------------------------------------------------------------------
+    def compress(self, memory: LayerMemory, ctx: PrefillContext) -> None:
+        raise NotImplementedError
+
+    def append(self, memory: LayerMemory, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store one decode step's new rows (``[batch, kv_heads, 1, head_dim]``)."""
+        raise NotImplementedError
+
+    def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
+        """Choose (recall, reconstruct) the rows this step attends to; ``query`` is ``[batch, q_heads, 1, d]``."""
+        raise NotImplementedError
+
+    def device_rows(self, memory: LayerMemory) -> int:
+        """KV rows per KV head this layer holds on the device tier now (resident + recall buffers)."""
+        rows = 0
+        for name in ("keys", "recall_keys"):
+            t = memory.device_tier.get(name)
+            if t is not None:
+                rows += t.shape[2] if isinstance(t, torch.Tensor) else t.capacity
+        return rows
+
+
+def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[batch, q_heads, q, d]`` → ``[batch, kv_heads, groups * q, d]``: query head h serves KV head
+    ``h // groups``, as in transformers' ``repeat_kv``."""
+    b, hq, q, d = query.shape
+    return query.reshape(b, kv_heads, (hq // kv_heads) * q, d)
