@@ -91,7 +91,7 @@ def zoomkv_attention_forward(
         budget = cache.resolve_budget(length)
         ctx = PrefillContext(
             layer_idx=layer_idx,
-            num_layers=cache.num_zoom_layers,
+            num_layers=cache.num_layers_total,
             keys=key,
             values=value,
             queries=query,
@@ -122,7 +122,8 @@ def zoomkv_attention_forward(
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
     rows = cache.method.device_rows(memory)
     memory.max_device_rows = max(memory.max_device_rows, rows)
-    if cache.method.uses_budget and budget is not None and rows > budget:
+    dense = cache.method.dense_layer(memory.layer_idx, cache.num_layers_total)
+    if cache.method.uses_budget and budget is not None and rows > budget and not dense:
         raise BudgetExceededError(
             f"method {cache.method.name!r} holds {rows} device-tier rows per KV head in layer "
             f"{memory.layer_idx}, over its budget of {budget}"

@@ -28,7 +28,7 @@ from zoomkv.methods.base import KVMethod
 @dataclass
 class LayerReport:
     layer: int
-    kind: str  # "zoom" (run by the method) or "sliding" (passed through)
+    kind: str  # "zoom" (run by the method), "dense" (kept whole by the method's design), "sliding" (untouched)
     device_bytes: int
     host_bytes: int
     full_kv_bytes: int
@@ -108,6 +108,7 @@ class ZoomCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=compat.sliding_window(config)))
             else:
                 raise NotImplementedError(f"layer type {kind!r} (layer {i}) is not supported by ZoomCache")
+        self.num_layers_total = len(layers)
         self.num_zoom_layers = sum(isinstance(layer, LayerMemory) for layer in layers)
         super().__init__(layers=layers)
         if hasattr(model_or_config, "config"):
@@ -135,8 +136,9 @@ class ZoomCache(Cache):
         report = MemoryReport(method=self.method.name, budget=self.budget_rows, tokens=self.get_seq_length())
         for i, layer in enumerate(self.layers):
             if isinstance(layer, LayerMemory):
+                kind = "dense" if self.method.dense_layer(i, self.num_layers_total) else "zoom"
                 report.layers.append(
-                    LayerReport(i, "zoom", layer.device_bytes, layer.host_bytes, layer.full_kv_bytes, layer.max_device_rows)
+                    LayerReport(i, kind, layer.device_bytes, layer.host_bytes, layer.full_kv_bytes, layer.max_device_rows)
                 )
             else:
                 held = 0

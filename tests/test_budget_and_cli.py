@@ -1,0 +1,98 @@
+"""Bad input gets one clear line, never a traceback; budgets parse as documented."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zoomkv.budget import Budget
+from zoomkv.cli import main
+from zoomkv.errors import BudgetError
+
+
+@pytest.mark.parametrize(
+    "text,rows,fraction",
+    [("512", 512, None), (512, 512, None), ("0.1", None, 0.1), (0.25, None, 0.25), ("1.0", None, 1.0), ("64.0", 64, None)],
+)
+def test_budget_parses(text, rows, fraction):
+    b = Budget.parse(text)
+    assert (b.rows, b.fraction) == (rows, fraction)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "abc", "", "nan", "inf", "1.5", True, -0.2])
+def test_budget_rejects(text):
+    with pytest.raises(BudgetError):
+        Budget.parse(text)
+
+
+def test_budget_over_model_limit():
+    with pytest.raises(BudgetError, match="exceeds the model's maximum context of 4096"):
+        Budget.parse("100000", max_rows=4096)
+
+
+def test_fraction_resolves_against_prompt():
+    assert Budget.parse("0.1").resolve(2000) == 200
+    assert Budget.parse("0.001").resolve(10) == 1
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def test_unknown_model_lists_valid(capsys):
+    err = _err(capsys, ["generate", "--model", "no-such-model", "--method", "full", "--prompt", "hi"])
+    assert "smollm2-135m" in err and "tiny-llama" in err
+
+
+def test_unknown_method_lists_valid(capsys):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "nope", "--prompt", "hi"])
+    assert "oracle_topk" in err and "full" in err
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "lots", "100000000"])
+def test_bad_budget(capsys, budget):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "oracle_topk", "--budget", budget, "--prompt", "hi"])
+    assert "budget" in err
+
+
+def test_missing_budget_for_budgeted_method(capsys):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "oracle_topk", "--prompt", "hi"])
+    assert "needs a budget" in err
+
+
+def test_empty_prompt(capsys, tmp_path):
+    assert "empty" in _err(capsys, ["generate", "--model", "tiny-llama", "--prompt", "   "])
+    f = tmp_path / "p.txt"
+    f.write_text("")
+    assert "empty" in _err(capsys, ["generate", "--model", "tiny-llama", "--prompt-file", str(f)])
+    assert "not found" in _err(capsys, ["generate", "--model", "tiny-llama", "--prompt-file", str(tmp_path / "x")])
+
+
+def test_prompt_too_long_names_both_lengths(capsys):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--chat", "off", "--prompt", "a" * 5000, "--max-new-tokens", "4"])
+    assert "5000" in err and "4096" in err
+
+
+def test_generate_json(capsys):
+    code = main(["generate", "--model", "tiny-llama", "--method", "oracle_topk", "--budget", "0.5",
+                 "--chat", "off", "--prompt", "hello world, " * 8, "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["text"], str)
+    mem = out["memory"]
+    assert set(["device_bytes", "host_bytes", "full_kv_bytes"]) <= set(mem)
+    assert 0 < mem["device_bytes"] < mem["full_kv_bytes"] <= mem["host_bytes"]
+    assert out["budget"] == (out["prompt_tokens"] + 1) // 2
+
+
+def test_models_and_methods_list(capsys):
+    assert main(["models"]) == 0
+    assert "smollm2-135m" in capsys.readouterr().out
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "full" in out and "oracle_topk" in out

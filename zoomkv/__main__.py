@@ -1,0 +1,5 @@
+import sys
+
+from zoomkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""The ``zoomkv`` command line (also ``python -m zoomkv``).
+
+    zoomkv generate --model smollm2-135m --method oracle_topk --budget 0.1 --prompt "..." [--json]
+    zoomkv bench --model smollm2-135m --length 4096 --methods full,oracle_topk --budgets 256
+    zoomkv models | zoomkv methods
+
+Errors caused by the input (unknown names, bad budgets, empty or over-long prompts) print one line and
+exit with status 2; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from zoomkv.errors import ZoomKVError
+
+
+def _parse_method_args(items: list[str] | None) -> dict[str, Any]:
+    """``--method-arg key=value`` (repeatable) → hyper-parameter overrides, values parsed as YAML scalars."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ZoomKVError(f"--method-arg expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _resolve_device(name: str | None) -> str:
+    import torch
+
+    if name and name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ZoomKVError(f"unknown dtype {name!r}; valid: {', '.join(table)}")
+    return table[name]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from zoomkv.budget import Budget
+    from zoomkv.generation import generate_text
+    from zoomkv.methods import get_method
+    from zoomkv.models import load_model
+
+    method_kwargs = _parse_method_args(args.method_arg)
+    method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
+    Budget.parse(args.budget)
+    if args.prompt is None and args.prompt_file is None:
+        raise ZoomKVError("give the prompt with --prompt TEXT or --prompt-file FILE")
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ZoomKVError(f"prompt file not found: {path}")
+        prompt = path.read_text(encoding="utf-8")
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise ZoomKVError("the prompt is empty")
+    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    result = generate_text(
+        model, tokenizer, prompt, method=method, budget=args.budget, max_new_tokens=args.max_new_tokens,
+        chat=None if args.chat == "auto" else args.chat == "on",
+    )
+    report = result.memory
+    if args.json:
+        payload = {
+            "model": args.model,
+            "method": method.name,
+            "budget": report.budget,
+            "text": result.text,
+            "prompt_tokens": result.prompt_tokens,
+            "new_tokens": result.new_tokens,
+            "prefill_s": round(result.prefill_s, 4),
+            "decode_ms_per_token": round(result.decode_ms_per_token, 3),
+            "memory": report.to_dict(),
+        }
+        print(json.dumps(payload))
+    else:
+        print(result.text)
+        print()
+        print(f"[{method.name}] {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
+              f"prefill {result.prefill_s:.2f} s, decode {result.decode_ms_per_token:.1f} ms/token")
+        print(report.format())
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from zoomkv.models import list_models
+
+    for spec in list_models():
+        extra = f"  (install: {spec.install})" if getattr(spec, "install", None) else ""
+        print(f"{spec.name:16s} {spec.description}{extra}")
+    print("Any Hugging Face model id or local folder (Llama, Qwen2/3, Mistral, Gemma 3) works too.")
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from zoomkv.methods import list_methods
+
+    for cls in list_methods():
+        params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_class))
+        kind = "recallable" if cls.recallable else ("no budget" if not cls.uses_budget else "eviction")
+        print(f"{cls.name:14s} [{kind}] {cls.summary}" + (f"\n{'':14s}   defaults: {params}" if params else ""))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from zoomkv.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zoomkv import __version__
+
+    parser = argparse.ArgumentParser(prog="zoomkv", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"zoomkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a prompt with a KV method and print the memory report")
+    g.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    g.add_argument("--method", default="full", help="a name from `zoomkv methods`")
+    g.add_argument("--budget", default=None, help="device-tier rows per layer per KV head: 512, or 0.1 of the prompt")
+    g.add_argument("--method-arg", action="append", metavar="KEY=VALUE", help="override a method hyper-parameter")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap the prompt in the chat template")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, memory, timings)")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="time prefill and decode of methods against full, interleaved, in one process")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--methods", default="full,oracle_topk", help="comma-separated; full is always included")
+    b.add_argument("--budgets", default="256", help="comma-separated budgets (rows or fractions)")
+    b.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
+    b.add_argument("--new-tokens", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    sub.add_parser("models", help="list the registered models").set_defaults(func=cmd_models)
+    sub.add_parser("methods", help="list the KV methods and their defaults").set_defaults(func=cmd_methods)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ZoomKVError as err:
+        print(f"zoomkv: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zoomkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

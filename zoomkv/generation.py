@@ -1,0 +1,139 @@
+"""``generate_text``: the one call the CLI, the demo and the benchmarks use to run a method on prompts.
+
+It validates the prompt, applies the chat template when asked, runs ``model.generate`` with a
+``ZoomCache``, and times prefill and decoding separately (a logits processor timestamps every step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from zoomkv import compat
+from zoomkv.budget import Budget
+from zoomkv.errors import PromptError
+from zoomkv.memory import MemoryReport, ZoomCache
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_ms_per_token: float
+    memory: MemoryReport
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+
+class _StepClock(LogitsProcessor):
+    """Records when each forward pass (the prefill, then one per decode step) hands its logits over.
+
+    A logits processor rather than a streamer, because streamers only accept batch size 1.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def model_max_length(model: Any) -> int:
+    return int(getattr(compat.text_config(model.config), "max_position_embeddings", 2**31 - 1))
+
+
+def format_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> str:
+    """Wrap ``prompt`` in the model's chat template when it has one (``chat=None`` → when available)."""
+    use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if use_chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return prompt
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], *, max_length: int, max_new_tokens: int, device: Any):
+    if not prompts:
+        raise PromptError("no prompt given")
+    for p in prompts:
+        if not p or not p.strip():
+            raise PromptError("the prompt is empty")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    length = enc["input_ids"].shape[1]
+    if length + max_new_tokens > max_length:
+        raise PromptError(
+            f"the prompt has {length} tokens; with {max_new_tokens} new tokens that is over the model's "
+            f"maximum context of {max_length} tokens"
+        )
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+@torch.inference_mode()
+def generate_text(
+    model: Any,
+    tokenizer: Any,
+    prompts: str | list[str],
+    *,
+    method: str = "full",
+    budget: str | int | float | Budget | None = None,
+    max_new_tokens: int = 64,
+    chat: bool | None = None,
+    method_kwargs: dict[str, Any] | None = None,
+    stop_at_eos: bool = True,
+) -> GenerationResult:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    max_len = model_max_length(model)
+    budget = Budget.parse(budget, max_rows=max_len)
+    texts = [format_prompt(tokenizer, p, chat) for p in prompts]
+    inputs = encode_prompts(
+        tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
+    )
+    cache = ZoomCache(model, method, budget, **(method_kwargs or {}))
+    clock = _StepClock()
+    start = time.perf_counter()
+    gen_kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": tokenizer.pad_token_id,
+        "logits_processor": LogitsProcessorList([clock]),
+    }
+    if not stop_at_eos:
+        gen_kwargs["eos_token_id"] = None
+        gen_kwargs["min_new_tokens"] = max_new_tokens
+    out = model.generate(**inputs, **gen_kwargs, **compat.generate_cache_kwargs(cache))
+    end = time.perf_counter()
+    prompt_len = inputs["input_ids"].shape[1]
+    new = out[:, prompt_len:]
+    stamps = clock.times  # after the prefill, then after each decode step
+    if stamps:
+        prefill_s = stamps[0] - start
+        steps = len(stamps) - 1
+        decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps else 0.0
+    else:
+        prefill_s, decode_ms = end - start, 0.0
+    decoded = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return GenerationResult(
+        texts=decoded,
+        prompt_tokens=prompt_len,
+        new_tokens=new.shape[1],
+        prefill_s=prefill_s,
+        decode_ms_per_token=decode_ms,
+        memory=cache.memory_report(),
+        token_ids=new.tolist(),
+    )
