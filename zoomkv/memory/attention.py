@@ -122,11 +122,14 @@ def zoomkv_attention_forward(
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
     rows = cache.method.device_rows(memory)
     memory.max_device_rows = max(memory.max_device_rows, rows)
-    dense = cache.method.dense_layer(memory.layer_idx, cache.num_layers_total)
-    if cache.method.uses_budget and budget is not None and rows > budget and not dense:
+    method, n = cache.method, cache.num_layers_total
+    if not method.uses_budget or budget is None or method.dense_layer(memory.layer_idx, n):
+        return
+    cap = method.layer_budget(memory.layer_idx, n, budget)
+    if rows > cap:
         raise BudgetExceededError(
-            f"method {cache.method.name!r} holds {rows} device-tier rows per KV head in layer "
-            f"{memory.layer_idx}, over its budget of {budget}"
+            f"method {method.name!r} holds {rows} device-tier rows per KV head in layer "
+            f"{memory.layer_idx}, over its budget of {cap}"
         )
 
 

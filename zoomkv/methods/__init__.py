@@ -1,8 +1,13 @@
-"""KV methods, one file each, registered by name."""
+"""KV methods, one file each, registered by name: importing this package imports every method module."""
+
+import importlib
+import pkgutil
 
 from zoomkv.methods.registry import METHODS, get_method, list_methods, register_method
 
-# Importing a method's module registers it.
-from zoomkv.methods import full, oracle_topk  # noqa: E402, F401, I001
+_NOT_METHODS = {"base", "registry"}
+for _info in pkgutil.iter_modules(__path__):
+    if not _info.name.startswith("_") and _info.name not in _NOT_METHODS:
+        importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["METHODS", "get_method", "list_methods", "register_method"]

@@ -100,6 +100,11 @@ class KVMethod:
                 f"{self.min_budget()} (with {self.config})"
             )
 
+    def layer_budget(self, layer_idx: int, num_layers: int, budget: int) -> int:
+        """Device rows per KV head this layer may hold. Methods that spread the budget over layers
+        (PyramidKV, CompressKV) override this; their layer budgets must sum to ``num_layers * budget``."""
+        return budget
+
     def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
         """Layers the published method keeps uncompressed (e.g. Quest's first two). They are exempt from
         the budget, reported as ``dense`` in the memory report, and configurable to zero."""

@@ -1,0 +1,92 @@
+"""Invariants every registered method must keep (run automatically for each method in the registry):
+
+- with a budget covering the whole context it is exactly ``full`` (greedy tokens equal, logits within 1e-4);
+- with a small budget the device tier never holds more rows per KV head than the layer's budget, at any
+  decode step, and the memory report counts no more device bytes than the rows it may hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoomkv import ZoomCache
+from zoomkv.compat import generate_cache_kwargs
+from zoomkv.memory import LayerMemory
+from zoomkv.methods import METHODS, get_method
+from zoomkv.models import load_model
+
+# Methods whose prefill needs an offline calibration profile or a trained adapter are tested in their own files.
+NEEDS_PROFILE = {name for name, cls in METHODS.items() if getattr(cls, "needs_profile", False)}
+BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and name not in NEEDS_PROFILE)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+def tiny(request):
+    return load_model(request.param)
+
+
+def _batch(vocab: int, lengths=(70, 52)):
+    g = torch.Generator().manual_seed(1)
+    total = max(lengths)
+    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, total - n :] = 1
+        ids[i, : total - n] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, cache=None, new=10):
+    kwargs = generate_cache_kwargs(cache) if cache is not None else {}
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
+
+
+def _max_diff(a_scores, b_scores) -> float:
+    worst = 0.0
+    for a, b in zip(a_scores, b_scores, strict=True):
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_large_budget_is_exactly_full(tiny, name):
+    model, _ = tiny
+    ids, mask = _batch(model.config.vocab_size)
+    ref = _generate(model, ids, mask, ZoomCache(model, "full"))
+    out = _generate(model, ids, mask, ZoomCache(model, name, 4096))
+    assert torch.equal(out.sequences, ref.sequences), name
+    assert _max_diff(out.scores, ref.scores) < 1e-4, name
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_small_budget_never_exceeded(tiny, name):
+    model, _ = tiny
+    ids, mask = _batch(model.config.vocab_size, lengths=(90, 90))
+    method = get_method(name)
+    budget = max(method.min_budget(), 40)
+    cache = ZoomCache(model, method, budget)
+    inner = method.select
+    checked = []
+
+    def select(memory, query):
+        sel = inner(memory, query)
+        n = cache.num_layers_total
+        if not method.dense_layer(memory.layer_idx, n):
+            cap = method.layer_budget(memory.layer_idx, n, budget)
+            assert method.device_rows(memory) <= cap
+            assert sel.keys.shape[2] <= cap
+            checked.append(memory.layer_idx)
+        return sel
+
+    method.select = select
+    _generate(model, ids, mask, cache, new=24)
+    assert checked, "no decode step was checked"
+    zoom = [layer for layer in cache.layers if isinstance(layer, LayerMemory)]
+    caps = [method.layer_budget(layer.layer_idx, cache.num_layers_total, budget) for layer in zoom]
+    assert sum(caps) <= budget * len(zoom) or all(method.dense_layer(layer.layer_idx, cache.num_layers_total) for layer in zoom)
+    report = cache.memory_report()
+    assert report.device_bytes < report.full_kv_bytes
