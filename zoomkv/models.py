@@ -46,6 +46,7 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_tokenizer",
     "cache_dir",
+    "ensure_converted",
     "find_package_dir",
     "get_model_spec",
     "list_models",

