@@ -57,7 +57,7 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     rows = []
     full_prefill = statistics.median(r.prefill_s for r in samples[("full", None)])
     full_decode = statistics.median(r.decode_ms_per_token for r in samples[("full", None)])
-    for (m, b), results in samples.items():
+    for (m, _budget), results in samples.items():
         prefill = statistics.median(r.prefill_s for r in results)
         decode = statistics.median(r.decode_ms_per_token for r in results)
         mem = results[-1].memory

@@ -1,0 +1,85 @@
+"""Batched spherical k-means (cosine similarity) over the keys of every (batch, KV head) at once.
+
+ClusterKV groups keys by direction: after RoPE, keys that point the same way get similar logits from the
+same query, so a cluster is a set of rows that tend to be needed together. All (batch, head) pairs run the
+same number of Lloyd iterations on one ``[b, h, n, C]`` similarity matrix; centroid sums use
+``scatter_add`` so no Python loop runs over heads or clusters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Clusters:
+    labels: torch.Tensor  # [b, h, n] long; rows outside ``members`` get the sentinel label C
+    sizes: torch.Tensor  # [b, h, C] long: members per cluster (0 for a cluster that ended up empty)
+    centroids: torch.Tensor  # [b, h, C, d]: mean of the members' raw keys (what q·μ ranks)
+
+
+def num_clusters(rows: int, rows_per_cluster: int) -> int:
+    return math.ceil(rows / rows_per_cluster) if rows > 0 else 0
+
+
+def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: int, iters: int) -> Clusters:
+    """Cluster ``keys`` ``[b, h, n, d]`` into ``clusters`` groups per (b, h) by cosine similarity.
+
+    ``members`` (``[b, n]`` or ``[b, h, n]`` bool, None = all rows) says which rows take part: the others
+    (left padding, sinks) get the sentinel label ``clusters`` and contribute to no centroid.
+    Deterministic: seeds are members spaced evenly along the sequence (nearby rows are often similar, so
+    an even spread covers the sequence's topics better than the first C rows would), no randomness.
+    """
+    b, h, n, d = keys.shape
+    device = keys.device
+    if members is None:
+        members = torch.ones(b, h, n, dtype=torch.bool, device=device)
+    elif members.dim() == 2:
+        members = members[:, None, :].expand(b, h, n)
+    sentinel = clusters
+    if clusters == 0:
+        return Clusters(
+            torch.full((b, h, n), sentinel, dtype=torch.long, device=device),
+            torch.zeros(b, h, 0, dtype=torch.long, device=device),
+            keys.new_zeros(b, h, 0, d),
+        )
+    x = F.normalize(keys.float(), dim=-1)
+
+    # Seeds: the members' positions in sequence order are the first `count` entries of a stable sort
+    # that puts members first; pick C of them evenly spaced.
+    count = members.sum(-1)  # [b, h]
+    member_pos = (~members).to(torch.int8).argsort(dim=-1, stable=True)  # [b, h, n]
+    frac = (torch.arange(clusters, device=device, dtype=torch.float64) + 0.5) / clusters
+    pick = (frac * count[..., None].double()).long()
+    pick = torch.minimum(pick, (count[..., None] - 1).clamp(min=0))
+    seed_rows = member_pos.gather(-1, pick)  # [b, h, C]
+    centroids = x.gather(2, seed_rows[..., None].expand(-1, -1, -1, d))
+
+    ones = members.to(x.dtype)
+    labels = torch.full((b, h, n), sentinel, dtype=torch.long, device=device)
+    for it in range(iters):
+        sim = torch.matmul(x, centroids.transpose(-1, -2))  # [b, h, n, C]
+        new_labels = sim.argmax(dim=-1).masked_fill_(~members, sentinel)
+        if it > 0 and torch.equal(new_labels, labels):
+            break  # converged: the centroids already match these labels
+        labels = new_labels
+        idx = labels[..., None].expand(-1, -1, -1, d)
+        # One extra slot collects the non-members so they can be dropped without masking each row.
+        sums = x.new_zeros(b, h, clusters + 1, d).scatter_add_(2, idx, x)[:, :, :clusters]
+        counts = x.new_zeros(b, h, clusters + 1).scatter_add_(2, labels, ones)[:, :, :clusters]
+        # An emptied cluster keeps its old centroid rather than becoming NaN; it simply recalls nothing.
+        centroids = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), centroids)
+
+    # The representative used to rank clusters is the mean of the members' raw keys, not the unit
+    # direction: q·mean(k) is exactly the members' mean logit, so key norms (which the cosine clustering
+    # ignored) still count when ranking.
+    idx = labels[..., None].expand(-1, -1, -1, d)
+    raw = keys.float().new_zeros(b, h, clusters + 1, d).scatter_add_(2, idx, keys.float())[:, :, :clusters]
+    sizes = torch.zeros(b, h, clusters + 1, dtype=torch.long, device=device)
+    sizes = sizes.scatter_add_(2, labels, members.long())[:, :, :clusters]
+    means = raw / sizes.clamp(min=1)[..., None].to(raw.dtype)
+    return Clusters(labels, sizes, means.to(keys.dtype))

@@ -1,0 +1,183 @@
+"""``quest``: query-aware page selection (Tang et al., ICML 2024).
+
+The sequence is cut into fixed pages of 16 rows. For each page and KV head the device tier keeps the
+per-channel minimum ``m`` and maximum ``M`` of the page's keys: a few bytes per page, not KV rows. At each
+decode step a page's score is ``Σ_c max(q_c·m_c, q_c·M_c)``, an upper bound of ``q·k`` for every key in
+the page, so a page holding one strongly matching key cannot be outscored by pages that hold none. The
+top pages whose rows fit the budget are recalled from the host tier (which keeps every row); the page
+holding the newest tokens is always among them, as in Quest.
+
+Deviations, on purpose:
+- Quest is per attention head; with GQA one KV head serves a group of query heads, so one page set must
+  serve the group. The default takes the **max** of the group's bounds: it is still an upper bound of
+  every head's logit in the page (the bound property is what makes Quest safe), and a page that one head
+  needs sharply is not diluted by heads that ignore it. ``group_score="sum"`` ranks by the summed bounds.
+- Left padding rows are excluded from the bounds (they must not widen them) and masked; a page made of
+  padding only scores ``-inf``.
+- ``budget // page_size`` pages are recalled: the rows of a partial page cannot be split, so up to 15
+  rows of the budget may stay unused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
+from zoomkv.memory.tiers import RowBuffer
+from zoomkv.methods._recallable import (
+    append_host_rows,
+    check_dense_layers,
+    check_group_score,
+    dense_append,
+    dense_select,
+    host_length,
+    host_valid,
+    is_dense,
+    keep_dense,
+    kv_rows,
+    store_host_rows,
+)
+from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.methods.registry import register_method
+
+
+@dataclass
+class QuestConfig(MethodConfig):
+    page_size: int = 16  # rows per page (the paper's default)
+    dense_layers: int = 2  # the first layers are kept whole, as in the paper; 0 for a strict budget
+    group_score: str = "max"  # how a GQA group's query heads combine their page bounds: "max" or "sum"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        check_dense_layers(self.dense_layers)
+        check_group_score(self.group_score)
+
+
+def page_bounds(keys: torch.Tensor, valid: torch.Tensor | None, page_size: int):
+    """Per-page channel min/max of ``keys`` ``[b, h, n, d]``, ignoring rows where ``valid`` (``[b, n]``) is
+    False. Returns ``(min, max, page_valid)``: ``[b, h, P, d]`` twice and ``[b, P]`` bool (None without
+    padding). A page with no valid row gets zero bounds and ``page_valid`` False."""
+    b, h, n, d = keys.shape
+    pages = math.ceil(n / page_size)
+    tail = pages * page_size - n
+    lo, hi = keys, keys
+    if valid is not None:
+        lo = keys.masked_fill(~valid[:, None, :, None], float("inf"))
+        hi = keys.masked_fill(~valid[:, None, :, None], float("-inf"))
+    # The unfilled tail of the last page must not widen its bounds either.
+    lo = F.pad(lo, (0, 0, 0, tail), value=float("inf")).view(b, h, pages, page_size, d).amin(dim=3)
+    hi = F.pad(hi, (0, 0, 0, tail), value=float("-inf")).view(b, h, pages, page_size, d).amax(dim=3)
+    page_valid = None
+    if valid is not None:
+        page_valid = F.pad(valid, (0, tail), value=False).view(b, pages, page_size).any(dim=-1)
+        # Zeros, not ±inf, on empty pages: inf·0 in the score would be NaN; the mask gives them -inf.
+        lo = lo.masked_fill(~page_valid[:, None, :, None], 0.0)
+        hi = hi.masked_fill(~page_valid[:, None, :, None], 0.0)
+    return lo, hi, page_valid
+
+
+def page_upper_bound(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
+    """``Σ_c max(q_c·m_c, q_c·M_c)`` for every query row and page: ``[b, h, g, d]`` × ``[b, h, P, d]`` →
+    ``[b, h, g, P]``. The max picks ``M_c`` where ``q_c > 0`` and ``m_c`` where ``q_c < 0``, so the bound is
+    two matmuls: ``q⁺·M + q⁻·m``."""
+    q = query.float()
+    upper = torch.matmul(q.clamp(min=0), page_max.float().transpose(-1, -2))
+    return upper + torch.matmul(q.clamp(max=0), page_min.float().transpose(-1, -2))
+
+
+@register_method
+class Quest(KVMethod):
+    name = "quest"
+    config_class = QuestConfig
+    citation = "Tang et al., Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference, ICML 2024"
+    summary = "16-row pages with per-channel key min/max; recall the pages with the highest q·k upper bound"
+    recallable = True
+
+    config: QuestConfig
+
+    def min_budget(self) -> int:
+        return self.config.page_size  # at least the page with the newest tokens
+
+    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        return layer_idx < self.config.dense_layers
+
+    def device_rows(self, memory) -> int:
+        # Dense layers hold "keys"; compressed layers hold only the recall buffer (page bounds are
+        # metadata, counted in bytes but not rows).
+        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def compress(self, memory, ctx: PrefillContext) -> None:
+        if self.dense_layer(ctx.layer_idx, ctx.num_layers):
+            keep_dense(memory, ctx)
+            return
+        ps = self.config.page_size
+        store_host_rows(memory, ctx)
+        lo, hi, page_valid = page_bounds(ctx.keys, ctx.valid, ps)
+        # Bounds are device-tier metadata in growable buffers: a new page starts every `ps` decode steps.
+        memory.device_tier["page_min"] = RowBuffer(lo.contiguous())
+        memory.device_tier["page_max"] = RowBuffer(hi.contiguous())
+        if page_valid is not None:
+            memory.device_tier["page_valid"] = RowBuffer(page_valid[:, None, :, None].contiguous())
+        budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget)
+        memory.meta["max_pages"] = budget // ps
+        reserve_recall_buffer(memory, min(budget // ps, lo.shape[2]) * ps)
+
+    def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        if is_dense(memory):
+            dense_append(memory, key, value)
+            return
+        n = host_length(memory)  # rows before this one
+        append_host_rows(memory, key, value)
+        page_min, page_max = memory.device_tier["page_min"], memory.device_tier["page_max"]
+        page_valid = memory.device_tier.get("page_valid")
+        if n % self.config.page_size == 0:  # the last page is full: the new row opens a page of its own
+            page_min.append(key)
+            page_max.append(key)
+            if page_valid is not None:
+                page_valid.append(torch.ones(key.shape[0], 1, 1, 1, dtype=torch.bool, device=key.device))
+            return
+        last_min, last_max = page_min.view()[:, :, -1:], page_max.view()[:, :, -1:]
+        if page_valid is None:
+            torch.minimum(last_min, key, out=last_min)
+            torch.maximum(last_max, key, out=last_max)
+            return
+        # A last page holding padding only has placeholder bounds: the new key replaces them.
+        live = page_valid.view()[:, :, -1:]  # [b, 1, 1, 1]
+        last_min.copy_(torch.where(live, torch.minimum(last_min, key), key))
+        last_max.copy_(torch.where(live, torch.maximum(last_max, key), key))
+        live.fill_(True)
+
+    def select(self, memory, query: torch.Tensor) -> Selection:
+        if is_dense(memory):
+            return dense_select(memory)
+        keys = memory.host_tier["keys"].view()
+        values = memory.host_tier["values"].view()
+        kv_heads, n = keys.shape[1], keys.shape[2]
+        ps = self.config.page_size
+        page_min = memory.device_tier["page_min"].view()
+        pages = page_min.shape[2]
+        k = min(memory.meta["max_pages"], pages)
+        idx = None
+        if k < pages:
+            q = group_query(query, kv_heads)  # [b, h, g, d]
+            bound = page_upper_bound(q, page_min, memory.device_tier["page_max"].view())  # [b, h, g, P]
+            score = bound.amax(dim=2) if self.config.group_score == "max" else bound.sum(dim=2)
+            if "page_valid" in memory.device_tier:
+                live = memory.device_tier["page_valid"].view()[:, :, :, 0]  # [b, 1, P]
+                score = score.masked_fill(~live, float("-inf"))
+            score[..., -1] = float("inf")  # the current page is always attended
+            # Sorted: rows keep sequence order, and the (possibly partial) newest page comes last.
+            chosen = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, h, k]
+            offsets = torch.arange(ps, device=chosen.device)
+            rows = (chosen[..., None] * ps + offsets).flatten(-2)
+            # Only the last page can be partial, and it is the last chosen page: drop its unfilled tail.
+            idx = rows[..., : k * ps - (pages * ps - n)]
+        rk, rv = recall_rows(memory, keys, values, idx)
+        bias = padding_bias(host_valid(memory), idx, kv_heads, query.dtype, query.device)
+        return Selection(rk, rv, bias)
