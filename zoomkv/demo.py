@@ -15,7 +15,7 @@ from zoomkv.models import DEFAULT_MODEL, load_model
 
 def main() -> int:
     t0 = time.perf_counter()
-    print(f"loading {DEFAULT_MODEL} (the first run converts the GGUF once, ~40 s; later runs take ~1 s)")
+    print(f"loading {DEFAULT_MODEL} (the first run converts the GGUF once, 20-80 s; later runs take about a second)")
     try:
         model, tokenizer = load_model(DEFAULT_MODEL)
     except ZoomKVError as err:

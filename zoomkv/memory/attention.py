@@ -99,6 +99,7 @@ def zoomkv_attention_forward(
             budget=budget,
             scaling=scale,
             num_kv_groups=query.shape[1] // key.shape[1],
+            zoom_layers=cache.zoom_layer_indices,
         )
         method.compress(memory, ctx)
         memory.compressed = True
@@ -125,7 +126,7 @@ def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
     method, n = cache.method, cache.num_layers_total
     if not method.uses_budget or budget is None or method.dense_layer(memory.layer_idx, n):
         return
-    cap = method.layer_budget(memory.layer_idx, n, budget)
+    cap = method.layer_budget(memory.layer_idx, n, budget, cache.zoom_layer_indices)
     if rows > cap:
         raise BudgetExceededError(
             f"method {method.name!r} holds {rows} device-tier rows per KV head in layer "

@@ -109,7 +109,8 @@ class ZoomCache(Cache):
             else:
                 raise NotImplementedError(f"layer type {kind!r} (layer {i}) is not supported by ZoomCache")
         self.num_layers_total = len(layers)
-        self.num_zoom_layers = sum(isinstance(layer, LayerMemory) for layer in layers)
+        self.zoom_layer_indices = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LayerMemory))
+        self.num_zoom_layers = len(self.zoom_layer_indices)
         super().__init__(layers=layers)
         if hasattr(model_or_config, "config"):
             attach(model_or_config)

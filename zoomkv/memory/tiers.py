@@ -28,7 +28,7 @@ class RowBuffer:
     amortised per row. ``nbytes`` counts the capacity actually allocated, since that is what is held.
     """
 
-    GROW_ROWS = 64
+    GROW_ROWS = 128
 
     def __init__(self, data: torch.Tensor, *, pinned: bool = False):
         self.pinned = pinned and data.device.type == "cpu"
@@ -57,13 +57,16 @@ class RowBuffer:
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[2]
         if self.length + n > self.capacity:
-            grow = max(self.GROW_ROWS, self.capacity // 8, n)
+            grow = max(self.GROW_ROWS, self.capacity // 32, n)  # ≤ ~3% over, O(1) amortised
             shape = list(self.data.shape)
             shape[2] = self.capacity + grow
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device, pin_memory=self.pinned)
             bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
             self.data = bigger
-        self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=self.pinned)
+        # Device→host copies stay blocking: the host tier is read on the CPU right after (scores,
+        # gathers), and an asynchronous copy into it could be read before it lands.
+        async_ok = self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned()
+        self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=async_ok)
         self.length += n
 
 

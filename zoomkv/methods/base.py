@@ -9,6 +9,7 @@ memory report), small Python values into ``memory.meta``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,6 +34,7 @@ class PrefillContext:
     budget: int | None  # rows per KV head on the device tier; None for methods without a budget
     scaling: float
     num_kv_groups: int  # query heads per KV head
+    zoom_layers: tuple[int, ...] | None = None  # indices of the layers the cache compresses (None: all)
 
 
 @dataclass
@@ -100,9 +102,13 @@ class KVMethod:
                 f"{self.min_budget()} (with {self.config})"
             )
 
-    def layer_budget(self, layer_idx: int, num_layers: int, budget: int) -> int:
+    def layer_budget(
+        self, layer_idx: int, num_layers: int, budget: int, zoom_layers: Sequence[int] | None = None
+    ) -> int:
         """Device rows per KV head this layer may hold. Methods that spread the budget over layers
-        (PyramidKV, CompressKV) override this; their layer budgets must sum to ``num_layers * budget``."""
+        (PyramidKV, CompressKV) override this; their budgets over the compressed layers ``zoom_layers``
+        (all ``num_layers`` when None; hybrid models compress only their full-attention layers) must sum
+        to ``len(zoom_layers) * budget``."""
         return budget
 
     def dense_layer(self, layer_idx: int, num_layers: int) -> bool:

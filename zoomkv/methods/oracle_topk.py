@@ -48,7 +48,7 @@ class OracleTopK(KVMethod):
         values = memory.host_tier["values"].view()
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
-        q = group_query(query, keys.shape[1]).to(keys.device, non_blocking=True)  # [b, h, g, d]
+        q = group_query(query, keys.shape[1]).to(keys.device)  # [b, h, g, d]; scored where the keys live
         logits = torch.matmul(q, keys.transpose(-1, -2)).float()  # [b, h, g, n]
         valid = None
         if "valid" in memory.host_tier:
