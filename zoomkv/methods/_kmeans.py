@@ -2,8 +2,8 @@
 
 ClusterKV groups keys by direction: after RoPE, keys that point the same way get similar logits from the
 same query, so a cluster is a set of rows that tend to be needed together. All (batch, head) pairs run the
-same number of Lloyd iterations on one ``[b, h, n, C]`` similarity matrix; centroid sums use
-``scatter_add`` so no Python loop runs over heads or clusters.
+same number of Lloyd iterations on one ``[b, h, n, C]`` similarity matrix; centroid sums use one flat
+``index_add_`` so no Python loop runs over heads or clusters.
 """
 
 from __future__ import annotations
@@ -59,7 +59,13 @@ def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: in
     seed_rows = member_pos.gather(-1, pick)  # [b, h, C]
     centroids = x.gather(2, seed_rows[..., None].expand(-1, -1, -1, d))
 
-    ones = members.to(x.dtype)
+    # Sums per cluster go through one flat index_add_ over all (batch, head) pairs: slot
+    # (pair * (C + 1) + label), with one extra slot per pair collecting the non-members so they drop out
+    # without masking every row. (index_add_ on a flat 2-D view is several times faster than scatter_add_
+    # along dim 2 on CPU.)
+    slots = clusters + 1
+    offset = (torch.arange(b * h, device=device) * slots).view(b, h, 1)
+    flat_x = x.reshape(b * h * n, d)
     labels = torch.full((b, h, n), sentinel, dtype=torch.long, device=device)
     for it in range(iters):
         sim = torch.matmul(x, centroids.transpose(-1, -2))  # [b, h, n, C]
@@ -67,19 +73,18 @@ def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: in
         if it > 0 and torch.equal(new_labels, labels):
             break  # converged: the centroids already match these labels
         labels = new_labels
-        idx = labels[..., None].expand(-1, -1, -1, d)
-        # One extra slot collects the non-members so they can be dropped without masking each row.
-        sums = x.new_zeros(b, h, clusters + 1, d).scatter_add_(2, idx, x)[:, :, :clusters]
-        counts = x.new_zeros(b, h, clusters + 1).scatter_add_(2, labels, ones)[:, :, :clusters]
+        flat = (labels + offset).view(-1)
+        sums = x.new_zeros(b * h * slots, d).index_add_(0, flat, flat_x).view(b, h, slots, d)[:, :, :clusters]
+        counts = torch.bincount(flat, minlength=b * h * slots).view(b, h, slots)[:, :, :clusters]
         # An emptied cluster keeps its old centroid rather than becoming NaN; it simply recalls nothing.
         centroids = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), centroids)
 
     # The representative used to rank clusters is the mean of the members' raw keys, not the unit
     # direction: q·mean(k) is exactly the members' mean logit, so key norms (which the cosine clustering
     # ignored) still count when ranking.
-    idx = labels[..., None].expand(-1, -1, -1, d)
-    raw = keys.float().new_zeros(b, h, clusters + 1, d).scatter_add_(2, idx, keys.float())[:, :, :clusters]
-    sizes = torch.zeros(b, h, clusters + 1, dtype=torch.long, device=device)
-    sizes = sizes.scatter_add_(2, labels, members.long())[:, :, :clusters]
+    flat = (labels + offset).view(-1)
+    raw = keys.float().reshape(b * h * n, d)
+    raw = raw.new_zeros(b * h * slots, d).index_add_(0, flat, raw).view(b, h, slots, d)[:, :, :clusters]
+    sizes = torch.bincount(flat, minlength=b * h * slots).view(b, h, slots)[:, :, :clusters]
     means = raw / sizes.clamp(min=1)[..., None].to(raw.dtype)
     return Clusters(labels, sizes, means.to(keys.dtype))

@@ -14,8 +14,9 @@ Deviations, on purpose:
   needs sharply is not diluted by heads that ignore it. ``group_score="sum"`` ranks by the summed bounds.
 - Left padding rows are excluded from the bounds (they must not widen them) and masked; a page made of
   padding only scores ``-inf``.
-- ``budget // page_size`` pages are recalled: the rows of a partial page cannot be split, so up to 15
-  rows of the budget may stay unused.
+- While the whole context fits the budget every row is recalled (so B ≥ context is exactly full
+  attention even when B is not a multiple of 16); beyond that, ``budget // page_size`` pages are
+  recalled: pages are not split, so up to 15 rows of the budget may stay unused.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def page_upper_bound(query: torch.Tensor, page_min: torch.Tensor, page_max: torc
     return upper + torch.matmul(q.clamp(max=0), page_min.float().transpose(-1, -2))
 
 
+class PageBuffer(RowBuffer):
+    """Page metadata grows one page per ``page_size`` decode steps: a 64-page chunk (RowBuffer's default,
+    sized for KV rows) would be 1024 tokens' worth of bounds allocated ahead, so grow in small steps
+    (still geometric, by capacity // 8, so appends stay amortised O(1))."""
+
+    GROW_ROWS = 4
+
+
 @register_method
 class Quest(KVMethod):
     name = "quest"
@@ -120,13 +129,13 @@ class Quest(KVMethod):
         store_host_rows(memory, ctx)
         lo, hi, page_valid = page_bounds(ctx.keys, ctx.valid, ps)
         # Bounds are device-tier metadata in growable buffers: a new page starts every `ps` decode steps.
-        memory.device_tier["page_min"] = RowBuffer(lo.contiguous())
-        memory.device_tier["page_max"] = RowBuffer(hi.contiguous())
+        memory.device_tier["page_min"] = PageBuffer(lo.contiguous())
+        memory.device_tier["page_max"] = PageBuffer(hi.contiguous())
         if page_valid is not None:
-            memory.device_tier["page_valid"] = RowBuffer(page_valid[:, None, :, None].contiguous())
+            memory.device_tier["page_valid"] = PageBuffer(page_valid[:, None, :, None].contiguous())
         budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget)
-        memory.meta["max_pages"] = budget // ps
-        reserve_recall_buffer(memory, min(budget // ps, lo.shape[2]) * ps)
+        memory.meta["budget"] = budget
+        reserve_recall_buffer(memory, min(budget, ctx.keys.shape[2]))
 
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
         if is_dense(memory):
@@ -162,9 +171,12 @@ class Quest(KVMethod):
         ps = self.config.page_size
         page_min = memory.device_tier["page_min"].view()
         pages = page_min.shape[2]
-        k = min(memory.meta["max_pages"], pages)
+        budget = memory.meta["budget"]
         idx = None
-        if k < pages:
+        # While every row fits the budget, every row is attended (exactly full attention); only then
+        # does the page granularity apply. n > budget ≥ k·ps guarantees k < pages.
+        if n > budget:
+            k = budget // ps
             q = group_query(query, kv_heads)  # [b, h, g, d]
             bound = page_upper_bound(q, page_min, memory.device_tier["page_max"].view())  # [b, h, g, P]
             score = bound.amax(dim=2) if self.config.group_score == "max" else bound.sum(dim=2)
