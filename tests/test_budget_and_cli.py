@@ -96,3 +96,17 @@ def test_models_and_methods_list(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "oracle_topk" in out
+
+
+def test_unknown_hyperparameter_lists_valid(capsys):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "snapkv", "--budget", "64",
+                        "--method-args", "window=8,no_such=1", "--prompt", "hi"])
+    assert "no_such" in err and "kernel_size" in err
+
+
+def test_impossible_settings(capsys):
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "snapkv", "--budget", "16", "--prompt", "hi"])
+    assert "cannot meet a budget of 16" in err
+    err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "clusterkv", "--budget", "64",
+                        "--method-arg", "cluster_size=0", "--prompt", "hi"])
+    assert "cluster_size" in err

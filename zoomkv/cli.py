@@ -11,6 +11,7 @@ exit with status 2; they never print a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -18,17 +19,23 @@ from typing import Any
 
 from zoomkv.errors import ZoomKVError
 
+# Subcommands defined next to their subsystem (evaluation, calibration profiles, training, adapters).
+PLUGIN_COMMANDS = ("zoomkv.eval.cli", "zoomkv.calibrate", "zoomkv.train.cli", "zoomkv.adapters.cli")
+
 
 def _parse_method_args(items: list[str] | None) -> dict[str, Any]:
-    """``--method-arg key=value`` (repeatable) → hyper-parameter overrides, values parsed as YAML scalars."""
+    """``--method-arg key=value[,key=value]`` (repeatable) → hyper-parameter overrides (YAML scalars)."""
     import yaml
 
     out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ZoomKVError(f"--method-arg expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+    for group in items or []:
+        for item in group.split(","):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise ZoomKVError(f"--method-arg expects key=value, got {item!r}")
+            key, value = item.split("=", 1)
+            out[key.strip()] = yaml.safe_load(value)
     return out
 
 
@@ -138,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     g.add_argument("--method", default="full", help="a name from `zoomkv methods`")
     g.add_argument("--budget", default=None, help="device-tier rows per layer per KV head: 512, or 0.1 of the prompt")
-    g.add_argument("--method-arg", action="append", metavar="KEY=VALUE", help="override a method hyper-parameter")
+    g.add_argument("--method-arg", "--method-args", dest="method_arg", action="append", metavar="KEY=VALUE[,K=V]",
+                   help="override method hyper-parameters (repeatable, or comma-separated)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -160,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+
+    # Commands that live with their subsystem: each module has `register(subparsers)`.
+    for module_name in PLUGIN_COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name):
+                raise  # a real import error inside the module, not "not written yet"
+            continue
+        module.register(sub)
 
     sub.add_parser("models", help="list the registered models").set_defaults(func=cmd_models)
     sub.add_parser("methods", help="list the KV methods and their defaults").set_defaults(func=cmd_methods)

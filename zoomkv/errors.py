@@ -23,3 +23,7 @@ class PromptError(ZoomKVError):
 
 class BudgetExceededError(RuntimeError):
     """A method held more device-tier rows than its budget allows. Always a bug in that method."""
+
+
+class ConfigError(ZoomKVError, ValueError):
+    """An unknown or impossible hyper-parameter (a method's, a recipe's, an adapter's)."""

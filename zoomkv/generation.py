@@ -137,3 +137,76 @@ def generate_text(
         memory=cache.memory_report(),
         token_ids=new.tolist(),
     )
+
+
+@dataclass
+class MethodRun:
+    """One method configuration to run on a prompt: ``MethodRun("snapkv", 256, {"window": 16})``."""
+
+    method: str
+    budget: str | int | float | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@torch.inference_mode()
+def generate_methods(
+    model: Any,
+    tokenizer: Any,
+    prompts: str | list[str],
+    runs: list[MethodRun],
+    *,
+    max_new_tokens: int = 32,
+    chat: bool | None = None,
+    stop_at_eos: bool = True,
+) -> list[GenerationResult]:
+    """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
+
+    Tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
+    """
+    from zoomkv.memory.replay import cache_from_record, record_prefill
+
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    max_len = model_max_length(model)
+    for run in runs:
+        Budget.parse(run.budget, max_rows=max_len)
+    texts = [format_prompt(tokenizer, p, chat) for p in prompts]
+    inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device)
+    record = record_prefill(model, inputs["input_ids"], inputs["attention_mask"])
+    first = record.last_logits.argmax(dim=-1, keepdim=True)  # greedy: the same for every method
+    eos = tokenizer.eos_token_id
+    results = []
+    for run in runs:
+        cache = cache_from_record(model, record, run.method, run.budget, **run.kwargs)
+        clock = _StepClock()
+        start = time.perf_counter()
+        if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):
+            ids = torch.cat([inputs["input_ids"], first], dim=1)
+            mask = torch.cat([inputs["attention_mask"], torch.ones_like(first)], dim=1)
+            gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens - 1, "do_sample": False,
+                                          "pad_token_id": tokenizer.pad_token_id,
+                                          "logits_processor": LogitsProcessorList([clock])}
+            if not stop_at_eos:
+                gen_kwargs["eos_token_id"] = None
+                gen_kwargs["min_new_tokens"] = max_new_tokens - 1
+            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs, **compat.generate_cache_kwargs(cache))
+            new = out[:, inputs["input_ids"].shape[1]:]
+        else:
+            new = first
+        elapsed = time.perf_counter() - start
+        token_ids = new.tolist()
+        if stop_at_eos and eos is not None:  # a row whose first token was EOS is finished there
+            token_ids = [row[: row.index(eos) + 1] if eos in row else row for row in token_ids]
+        steps = len(clock.times)
+        results.append(GenerationResult(
+            texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
+            prompt_tokens=record.length,
+            new_tokens=new.shape[1],
+            prefill_s=record.prefill_s,
+            decode_ms_per_token=elapsed / steps * 1000 if steps else 0.0,
+            memory=cache.memory_report(),
+            token_ids=token_ids,
+        ))
+    return results

@@ -101,6 +101,9 @@ def zoomkv_attention_forward(
             num_kv_groups=query.shape[1] // key.shape[1],
             zoom_layers=cache.zoom_layer_indices,
         )
+        recorder = getattr(cache, "recorder", None)
+        if recorder is not None:  # zoomkv.memory.replay: keep what compress saw, to replay other methods
+            recorder[layer_idx] = ctx
         method.compress(memory, ctx)
         memory.compressed = True
         _check_budget(cache, memory, budget)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.base import PrefillContext, Selection
 
@@ -79,9 +80,9 @@ def host_length(memory: LayerMemory) -> int:
 
 def check_dense_layers(dense_layers: int) -> None:
     if dense_layers < 0:
-        raise ValueError(f"dense_layers must be >= 0, got {dense_layers}")
+        raise ConfigError(f"dense_layers must be >= 0, got {dense_layers}")
 
 
 def check_group_score(group_score: str) -> None:
     if group_score not in ("max", "sum"):
-        raise ValueError(f"group_score must be 'max' or 'sum', got {group_score!r}")
+        raise ConfigError(f"group_score must be 'max' or 'sum', got {group_score!r}")

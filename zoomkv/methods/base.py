@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from zoomkv.errors import BudgetError
+from zoomkv.errors import BudgetError, ConfigError
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -75,7 +75,7 @@ class KVMethod:
             fields = {f.name for f in dataclasses.fields(self.config_class)}
             unknown = sorted(set(overrides) - fields)
             if unknown:
-                raise TypeError(
+                raise ConfigError(
                     f"unknown hyper-parameter(s) {unknown} for method {self.name!r}; valid: {sorted(fields)}"
                 )
             config = self.config_class(**overrides)

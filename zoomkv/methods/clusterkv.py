@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods._kmeans import cosine_kmeans, num_clusters
 from zoomkv.methods._recallable import (
@@ -61,11 +62,11 @@ class ClusterKVConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.num_sinks < 0:
-            raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
+            raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
         if self.cluster_size < 1 or self.kmeans_iters < 1 or self.recluster_interval < 1:
-            raise ValueError("cluster_size, kmeans_iters and recluster_interval must be >= 1")
+            raise ConfigError("cluster_size, kmeans_iters and recluster_interval must be >= 1")
         if not 0.0 < self.recent_fraction < 1.0:
-            raise ValueError(f"recent_fraction must lie in (0, 1), got {self.recent_fraction}")
+            raise ConfigError(f"recent_fraction must lie in (0, 1), got {self.recent_fraction}")
         check_dense_layers(self.dense_layers)
 
 

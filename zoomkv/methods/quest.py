@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zoomkv.errors import ConfigError
 from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods._recallable import (
@@ -54,7 +55,7 @@ class QuestConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         check_dense_layers(self.dense_layers)
         check_group_score(self.group_score)
 

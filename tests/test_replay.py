@@ -1,0 +1,26 @@
+"""Prefill once, compress many times: the tokens must be exactly those of running each method alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from zoomkv.generation import MethodRun, generate_methods, generate_text
+from zoomkv.methods import METHODS
+from zoomkv.models import load_model
+
+RUNS = [MethodRun("full")] + [
+    MethodRun(name, 40) for name, cls in sorted(METHODS.items())
+    if cls.uses_budget and not getattr(cls, "needs_profile", False)
+]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_replay_equals_running_each_method(family):
+    model, tok = load_model(family)
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs."]
+    replayed = generate_methods(model, tok, prompts, RUNS, max_new_tokens=12, chat=False, stop_at_eos=False)
+    for run, got in zip(RUNS, replayed, strict=True):
+        alone = generate_text(model, tok, prompts, method=run.method, budget=run.budget, max_new_tokens=12,
+                              chat=False, stop_at_eos=False)
+        assert got.token_ids == alone.token_ids, run.method
+        assert got.memory.device_bytes == alone.memory.device_bytes, run.method

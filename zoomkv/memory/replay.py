@@ -1,0 +1,83 @@
+"""Prefill once, compress many times.
+
+Prefill is exact attention whatever the method (methods only differ in what they keep afterwards), so
+an evaluation comparing methods on the same prompt can run the prompt through the model once, record
+what each layer handed ``compress`` (post-RoPE keys, values, queries, padding) plus the last logits,
+and then build each method's cache from that record. The decoding that follows is the ordinary
+``model.generate`` path; the tokens are exactly those of running each method from scratch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zoomkv import compat
+from zoomkv.budget import Budget
+from zoomkv.memory.attention import _check_budget
+from zoomkv.memory.cache import ZoomCache
+from zoomkv.memory.layer import LayerMemory
+from zoomkv.methods.base import KVMethod, PrefillContext
+
+
+@dataclass
+class PrefillRecord:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    last_logits: torch.Tensor  # [batch, vocab]: the logits that pick the first new token
+    contexts: dict[int, PrefillContext] = field(default_factory=dict)
+    passthrough: dict[int, Any] = field(default_factory=dict)  # sliding-window layers as they were
+    prefill_s: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@torch.inference_mode()
+def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillRecord:
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    cache = ZoomCache(model, "full")
+    cache.recorder = {}
+    start = time.perf_counter()
+    # Positions as generate() computes them: left padding does not shift the real tokens' positions.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1, **compat.generate_cache_kwargs(cache))
+    elapsed = time.perf_counter() - start
+    record = PrefillRecord(input_ids, attention_mask, out.logits[:, -1].float(), prefill_s=elapsed)
+    record.contexts = cache.recorder
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, LayerMemory):
+            record.passthrough[i] = layer
+    return record
+
+
+def cache_from_record(
+    model: Any, record: PrefillRecord, method: str | KVMethod, budget: str | int | float | Budget | None = None,
+    **method_kwargs: Any,
+) -> ZoomCache:
+    """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``."""
+    cache = ZoomCache(model, method, budget, **method_kwargs)
+    resolved = cache.resolve_budget(record.length)
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LayerMemory):
+            ctx = record.contexts[i]
+            # Methods may keep (and later update in place) what they are handed: give each its own copy.
+            ctx = dataclasses.replace(ctx, keys=ctx.keys.clone(), values=ctx.values.clone(), budget=resolved,
+                                      zoom_layers=cache.zoom_layer_indices)
+            layer.lazy_initialization(ctx.keys, ctx.values)
+            layer.seen = record.length
+            cache.method.compress(layer, ctx)
+            layer.compressed = True
+            _check_budget(cache, layer, resolved)
+        else:
+            # transformers' sliding-window layer replaces (never mutates) its tensors: a shallow copy is safe
+            cache.layers[i] = copy.copy(record.passthrough[i])
+    return cache
