@@ -209,3 +209,22 @@ def test_plain_generate_unaffected_after_attach(tiny):
     assert model.config._attn_implementation == "zoomkv"
     out = run(model, ids, mask)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_prefill_context_carries_prompt_ids_and_tokenizer():
+    model, tok = load_model("tiny-llama")
+    seen = {}
+    method = get_method("full")
+    inner = method.compress
+
+    def compress(memory, ctx):
+        seen[memory.layer_idx] = ctx
+        return inner(memory, ctx)
+
+    method.compress = compress
+    cache = ZoomCache(model, method, tokenizer=tok)
+    enc = tok(["12 apples, 7 pears."], return_tensors="pt")
+    model.generate(**enc, max_new_tokens=2, do_sample=False, **generate_cache_kwargs(cache))
+    ctx = seen[0]
+    assert torch.equal(ctx.input_ids, enc["input_ids"])
+    assert ctx.tokenizer is tok and ctx.model_name == "tiny-llama"

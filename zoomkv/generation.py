@@ -104,7 +104,7 @@ def generate_text(
     inputs = encode_prompts(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
-    cache = ZoomCache(model, method, budget, **(method_kwargs or {}))
+    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **(method_kwargs or {}))
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -179,7 +179,7 @@ def generate_methods(
     eos = tokenizer.eos_token_id
     results = []
     for run in runs:
-        cache = cache_from_record(model, record, run.method, run.budget, **run.kwargs)
+        cache = cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, **run.kwargs)
         clock = _StepClock()
         start = time.perf_counter()
         if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):

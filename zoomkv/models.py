@@ -590,6 +590,8 @@ def load_model(
     if device is not None:
         model = model.to(device)
     model.eval()
+    # The name the user asked for: calibration profiles and adapter fingerprints are keyed on it.
+    model.zoomkv_name = name_or_path
     return model, tokenizer
 
 

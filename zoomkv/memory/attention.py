@@ -100,6 +100,9 @@ def zoomkv_attention_forward(
             scaling=scale,
             num_kv_groups=query.shape[1] // key.shape[1],
             zoom_layers=cache.zoom_layer_indices,
+            input_ids=cache.prompt_ids,
+            tokenizer=cache.tokenizer,
+            model_name=cache.model_name,
         )
         recorder = getattr(cache, "recorder", None)
         if recorder is not None:  # zoomkv.memory.replay: keep what compress saw, to replay other methods

@@ -87,6 +87,8 @@ class ZoomCache(Cache):
         model_or_config: Any,
         method: str | KVMethod = "full",
         budget: str | int | float | Budget | None = None,
+        *,
+        tokenizer: Any = None,
         **method_kwargs: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
@@ -99,6 +101,11 @@ class ZoomCache(Cache):
         if self.budget is not None and self.budget.rows is not None:
             self.method.check_budget(self.budget.rows)
         self.budget_rows: int | None = None  # resolved at prefill
+        self.tokenizer = tokenizer
+        self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
+        self.model_name: str | None = getattr(model_or_config, "zoomkv_name", None) or getattr(
+            config, "_name_or_path", None
+        )
         types = compat.layer_types(config)
         layers: list[Any] = []
         for i, kind in enumerate(types):
@@ -154,6 +161,21 @@ class ZoomCache(Cache):
 
 
 def attach(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the model's attention through zoomkv. Without a ZoomCache it still behaves as plain sdpa."""
+    """Route the model's attention through zoomkv. Without a ZoomCache it still behaves as plain sdpa.
+
+    Also hooks the model's forward so a ZoomCache learns the prompt's token ids before prefill (methods
+    that protect numbers or cut sentences need them; the attention function only sees hidden states).
+    """
     compat.set_attention(model, ATTENTION_NAME)
+    if not getattr(model, "_zoomkv_hooked", False):
+        model.register_forward_pre_hook(_capture_prompt_ids, with_kwargs=True)
+        model._zoomkv_hooked = True
     return model
+
+
+def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = next((kwargs.get(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    if not isinstance(cache, ZoomCache) or cache.get_seq_length() > 0:
+        return
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    cache.prompt_ids = ids

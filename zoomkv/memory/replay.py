@@ -61,17 +61,19 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def cache_from_record(
     model: Any, record: PrefillRecord, method: str | KVMethod, budget: str | int | float | Budget | None = None,
-    **method_kwargs: Any,
+    *, tokenizer: Any = None, **method_kwargs: Any,
 ) -> ZoomCache:
     """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``."""
-    cache = ZoomCache(model, method, budget, **method_kwargs)
+    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **method_kwargs)
+    cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LayerMemory):
             ctx = record.contexts[i]
             # Methods may keep (and later update in place) what they are handed: give each its own copy.
             ctx = dataclasses.replace(ctx, keys=ctx.keys.clone(), values=ctx.values.clone(), budget=resolved,
-                                      zoom_layers=cache.zoom_layer_indices)
+                                      zoom_layers=cache.zoom_layer_indices, input_ids=record.input_ids,
+                                      tokenizer=tokenizer, model_name=cache.model_name)
             layer.lazy_initialization(ctx.keys, ctx.values)
             layer.seen = record.length
             cache.method.compress(layer, ctx)

@@ -35,6 +35,9 @@ class PrefillContext:
     scaling: float
     num_kv_groups: int  # query heads per KV head
     zoom_layers: tuple[int, ...] | None = None  # indices of the layers the cache compresses (None: all)
+    input_ids: torch.Tensor | None = None  # [batch, T] prompt token ids (None if the forward got embeddings)
+    tokenizer: Any = None  # the model's tokenizer when the caller gave ZoomCache one (token classes, punctuation)
+    model_name: str | None = None  # what the model was loaded as (calibration profiles are keyed on it)
 
 
 @dataclass
