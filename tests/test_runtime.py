@@ -10,6 +10,7 @@ from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
+from zoomkv.memory.quant import QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods.base import Selection
@@ -104,6 +105,8 @@ def _tensors_in(obj, seen=None):
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if isinstance(obj, QuantizedRowBuffer):
+        return [t for t in obj.tensors() for t in _tensors_in(t, seen)]
     if isinstance(obj, RowBuffer):
         return _tensors_in(obj.data, seen)
     if isinstance(obj, dict):
@@ -113,11 +116,13 @@ def _tensors_in(obj, seen=None):
     return []
 
 
-@pytest.mark.parametrize("method,budget", [("full", None), ("oracle_topk", 16)])
-def test_memory_report_equals_tensors_held(tiny, method, budget):
+@pytest.mark.parametrize("method,budget,quant", [("full", None, None), ("oracle_topk", 16, None),
+                                                 ("oracle_topk", 16, "int4"), ("full", None, "int8")])
+def test_memory_report_equals_tensors_held(tiny, method, budget, quant):
     model, _ = tiny
     ids, mask = padded_batch(model.config.vocab_size, lengths=(50, 50))
-    cache = ZoomCache(model, method, budget)
+    tiers = "all" if method == "full" else "host"
+    cache = ZoomCache(model, method, budget, kv_quant=quant, kv_quant_tiers=tiers)
     run(model, ids, mask, cache, new=6)
     report = cache.memory_report()
     held_device = held_host = 0
@@ -141,7 +146,7 @@ def test_memory_report_equals_tensors_held(tiny, method, budget):
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_layer = 2 * ids.shape[0] * cfg.num_key_value_heads * tokens * head_dim * 4
     assert sum(r.full_kv_bytes for r in report.layers if r.kind == "zoom") == per_layer * len(kv_layers)
-    if method == "oracle_topk":
+    if method == "oracle_topk" and quant is None:
         assert report.device_bytes < report.full_kv_bytes
         assert report.host_bytes >= report.full_kv_bytes - sum(r.full_kv_bytes for r in report.layers if r.kind != "zoom")
 

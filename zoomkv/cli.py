@@ -66,6 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method_kwargs = _parse_method_args(args.method_arg)
     method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
     Budget.parse(args.budget)
+    if args.kv_quant_tiers == "all" and args.kv_quant != "none" and not method.quantizable_device:
+        raise ZoomKVError(f"--kv-quant-tiers all is not supported by {method.name!r} (only by: full)")
     if args.prompt is None and args.prompt_file is None:
         raise ZoomKVError("give the prompt with --prompt TEXT or --prompt-file FILE")
     if args.prompt_file is not None:
@@ -81,6 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate_text(
         model, tokenizer, prompt, method=method, budget=args.budget, max_new_tokens=args.max_new_tokens,
         chat=None if args.chat == "auto" else args.chat == "on",
+        kv_quant=None if args.kv_quant == "none" else args.kv_quant, kv_quant_tiers=args.kv_quant_tiers,
     )
     report = result.memory
     if args.json:
@@ -152,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="read the prompt from this file")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap the prompt in the chat template")
+    g.add_argument("--kv-quant", choices=["none", "int8", "int4"], default="none",
+                   help="store the host tier as int8/int4 codes with per-group fp16 scales")
+    g.add_argument("--kv-quant-tiers", choices=["host", "all"], default="host",
+                   help="'all' quantizes the device tier's stored rows too (full)")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="auto")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, memory, timings)")

@@ -93,6 +93,8 @@ def generate_text(
     chat: bool | None = None,
     method_kwargs: dict[str, Any] | None = None,
     stop_at_eos: bool = True,
+    kv_quant: str | None = None,
+    kv_quant_tiers: str = "host",
 ) -> GenerationResult:
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -104,7 +106,8 @@ def generate_text(
     inputs = encode_prompts(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
-    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **(method_kwargs or {}))
+    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, kv_quant=kv_quant, kv_quant_tiers=kv_quant_tiers,
+                      **(method_kwargs or {}))
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -146,6 +149,8 @@ class MethodRun:
     method: str
     budget: str | int | float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    kv_quant: str | None = None  # "int8" / "int4": quantize the host tier (and the device tier with "all")
+    kv_quant_tiers: str = "host"
 
 
 @torch.inference_mode()
@@ -179,7 +184,8 @@ def generate_methods(
     eos = tokenizer.eos_token_id
     results = []
     for run in runs:
-        cache = cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, **run.kwargs)
+        cache = cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, kv_quant=run.kv_quant,
+                                  kv_quant_tiers=run.kv_quant_tiers, **run.kwargs)
         clock = _StepClock()
         start = time.perf_counter()
         if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):

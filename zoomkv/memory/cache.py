@@ -18,9 +18,10 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from zoomkv import compat
 from zoomkv.budget import Budget
-from zoomkv.errors import BudgetError
+from zoomkv.errors import BudgetError, ConfigError
 from zoomkv.memory.attention import ATTENTION_NAME, mark_active
 from zoomkv.memory.layer import LayerMemory
+from zoomkv.memory.quant import QuantSpec
 from zoomkv.methods import get_method
 from zoomkv.methods.base import KVMethod
 
@@ -89,6 +90,9 @@ class ZoomCache(Cache):
         budget: str | int | float | Budget | None = None,
         *,
         tokenizer: Any = None,
+        kv_quant: str | QuantSpec | None = None,
+        kv_quant_tiers: str = "host",
+        kv_quant_group: int = 32,
         **method_kwargs: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
@@ -101,6 +105,14 @@ class ZoomCache(Cache):
         if self.budget is not None and self.budget.rows is not None:
             self.method.check_budget(self.budget.rows)
         self.budget_rows: int | None = None  # resolved at prefill
+        self.kv_quant = kv_quant if isinstance(kv_quant, QuantSpec) or kv_quant is None else QuantSpec.parse(
+            kv_quant, kv_quant_tiers, kv_quant_group
+        )
+        if self.kv_quant is not None and self.kv_quant.tiers == "all" and not self.method.quantizable_device:
+            raise ConfigError(
+                f"method {self.method.name!r} keeps its device tier in full precision; quantize only the host "
+                "tier (kv_quant_tiers='host'), or use a method that supports device-tier quantization (full)"
+            )
         self.tokenizer = tokenizer
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
         self.model_name: str | None = getattr(model_or_config, "zoomkv_name", None) or getattr(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from zoomkv.memory.quant import QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
 if TYPE_CHECKING:
@@ -108,8 +109,22 @@ class LayerMemory(CacheLayerMixin):
         return out
 
     def host_rows(self, tensor: torch.Tensor) -> RowBuffer:
-        """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``)."""
+        """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``); int8/int4 codes
+        when the cache quantizes KV (masks and other non-float tensors are never quantized)."""
+        spec = self.cache.kv_quant
+        if spec is not None and tensor.is_floating_point():
+            return QuantizedRowBuffer(self.to_host(tensor), spec, pinned=self.pin_host)
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
+
+    @property
+    def quantize_device(self) -> bool:
+        return self.cache.kv_quant is not None and self.cache.kv_quant.tiers == "all"
+
+    def device_rows_buffer(self, tensor: torch.Tensor) -> RowBuffer:
+        """Device-tier rows that grow while decoding, quantized when the cache quantizes every tier."""
+        if self.quantize_device:
+            return QuantizedRowBuffer(tensor, self.cache.kv_quant)
+        return RowBuffer(tensor)
 
     def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A preallocated device-tier buffer for ``rows`` recalled rows per KV head."""

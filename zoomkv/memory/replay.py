@@ -61,10 +61,11 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def cache_from_record(
     model: Any, record: PrefillRecord, method: str | KVMethod, budget: str | int | float | Budget | None = None,
-    *, tokenizer: Any = None, **method_kwargs: Any,
+    *, tokenizer: Any = None, **cache_kwargs: Any,
 ) -> ZoomCache:
-    """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``."""
-    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **method_kwargs)
+    """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``
+    (``cache_kwargs``: ZoomCache's keywords, e.g. ``kv_quant``, and method hyper-parameters)."""
+    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **cache_kwargs)
     cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)
     for i, layer in enumerate(cache.layers):

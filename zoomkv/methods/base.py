@@ -72,6 +72,7 @@ class KVMethod:
     summary: ClassVar[str] = ""
     recallable: ClassVar[bool] = False  # keeps every row (host tier) and can bring any back
     uses_budget: ClassVar[bool] = True
+    quantizable_device: ClassVar[bool] = False  # stores device rows through memory.device_rows_buffer
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):
         if config is None:

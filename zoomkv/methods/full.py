@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection
 from zoomkv.methods.registry import register_method
 
@@ -22,14 +23,28 @@ class Full(KVMethod):
     summary = "keep every row on the device tier; attend to all (the uncompressed reference)"
     uses_budget = False
 
+    quantizable_device = True
+
     def compress(self, memory, ctx: PrefillContext) -> None:
+        if memory.quantize_device:  # int8/int4 codes on the device tier, dequantized each step
+            memory.device_tier["keys"] = memory.device_rows_buffer(ctx.keys)
+            memory.device_tier["values"] = memory.device_rows_buffer(ctx.values)
+            return
         memory.device_tier["keys"] = ctx.keys
         memory.device_tier["values"] = ctx.values
 
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        tier = memory.device_tier
+        if isinstance(tier["keys"], RowBuffer):
+            tier["keys"].append(key)
+            tier["values"].append(value)
+            return
         # Plain concatenation, as transformers' DynamicLayer does, so `full` costs what plain generate costs.
-        memory.device_tier["keys"] = torch.cat([memory.device_tier["keys"], key], dim=2)
-        memory.device_tier["values"] = torch.cat([memory.device_tier["values"], value], dim=2)
+        tier["keys"] = torch.cat([tier["keys"], key], dim=2)
+        tier["values"] = torch.cat([tier["values"], value], dim=2)
 
     def select(self, memory, query: torch.Tensor) -> Selection:
-        return Selection(memory.device_tier["keys"], memory.device_tier["values"], use_model_mask=True)
+        keys, values = memory.device_tier["keys"], memory.device_tier["values"]
+        if isinstance(keys, RowBuffer):
+            keys, values = keys.view(), values.view()
+        return Selection(keys, values, use_model_mask=True)
