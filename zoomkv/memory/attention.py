@@ -107,11 +107,22 @@ def zoomkv_attention_forward(
         recorder = getattr(cache, "recorder", None)
         if recorder is not None:  # zoomkv.memory.replay: keep what compress saw, to replay other methods
             recorder[layer_idx] = ctx
+        if method.needs_surprisal:
+            # Surprisal needs the model's logits, which exist only after the last layer: the model's
+            # final-norm hook (see cache.attach) compresses every pending layer then.
+            cache.pending[layer_idx] = ctx
+            return out, None
         method.compress(memory, ctx)
         memory.compressed = True
         _check_budget(cache, memory, budget)
         return out, None
 
+    if layer_idx in cache.pending:
+        raise ZoomKVError(
+            f"method {method.name!r} needs token surprisal, but the prefill ended without the model's final-norm "
+            "hook firing; attach the model with zoomkv.attach(model) (ZoomCache(model, ...) does) and run a "
+            "decoder with a `norm` module"
+        )
     if query.shape[2] != 1:
         raise ZoomKVError(
             "a ZoomCache takes one prefill and then one token per step; to process new multi-token input, "
@@ -124,6 +135,17 @@ def zoomkv_attention_forward(
         out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0, scaling=scale, **kwargs)
         return out, None
     return attend(query, sel, scale), None
+
+
+def finish_prefill(cache: Any, surprisal: torch.Tensor) -> None:
+    """Compress the layers that waited for surprisal (``needs_surprisal`` methods), in layer order."""
+    for layer_idx in sorted(cache.pending):
+        ctx = cache.pending.pop(layer_idx)
+        ctx.surprisal = surprisal.to(ctx.keys.device)
+        memory = cache.zoom_layer(layer_idx)
+        cache.method.compress(memory, ctx)
+        memory.compressed = True
+        _check_budget(cache, memory, ctx.budget)
 
 
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:

@@ -10,6 +10,8 @@ already bounded, so they pass through untouched (and are reported as device-tier
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,10 +20,11 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from zoomkv import compat
 from zoomkv.budget import Budget
-from zoomkv.errors import BudgetError, ConfigError
-from zoomkv.memory.attention import ATTENTION_NAME, mark_active
+from zoomkv.errors import BudgetError, ConfigError, ZoomKVError
+from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.quant import QuantSpec
+from zoomkv.memory.surprisal import token_surprisal
 from zoomkv.methods import get_method
 from zoomkv.methods.base import KVMethod
 
@@ -115,6 +118,7 @@ class ZoomCache(Cache):
             )
         self.tokenizer = tokenizer
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
+        self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress
         self.model_name: str | None = getattr(model_or_config, "zoomkv_name", None) or getattr(
             config, "_name_or_path", None
         )
@@ -181,13 +185,43 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     compat.set_attention(model, ATTENTION_NAME)
     if not getattr(model, "_zoomkv_hooked", False):
         model.register_forward_pre_hook(_capture_prompt_ids, with_kwargs=True)
+        norm = _final_norm(model)
+        if norm is not None:
+            norm.register_forward_hook(functools.partial(_after_final_norm, model))
         model._zoomkv_hooked = True
     return model
 
 
+_running = threading.local()  # the ZoomCache of the forward pass in progress
+
+
 def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     cache = next((kwargs.get(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    _running.cache = cache if isinstance(cache, ZoomCache) else None
     if not isinstance(cache, ZoomCache) or cache.get_seq_length() > 0:
         return
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     cache.prompt_ids = ids
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    return getattr(decoder, "norm", None)
+
+
+def _after_final_norm(model: torch.nn.Module, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """After the prompt went through every layer: surprisal from the final hidden states, then compress
+    the layers that waited for it."""
+    cache = getattr(_running, "cache", None)
+    if cache is None or not cache.pending:
+        return
+    ids = cache.prompt_ids
+    if ids is None:
+        raise ZoomKVError(f"method {cache.method.name!r} needs the prompt's token ids (input_ids), not embeddings")
+    valid = next(iter(cache.pending.values())).valid
+    cache.surprisal = token_surprisal(
+        output, ids, model.get_output_embeddings(), valid=valid,
+        softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None),
+    )
+    finish_prefill(cache, cache.surprisal)

@@ -20,8 +20,9 @@ import torch
 from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.memory.attention import _check_budget
-from zoomkv.memory.cache import ZoomCache
+from zoomkv.memory.cache import ZoomCache, _final_norm
 from zoomkv.memory.layer import LayerMemory
+from zoomkv.memory.surprisal import token_surprisal
 from zoomkv.methods.base import KVMethod, PrefillContext
 
 
@@ -33,6 +34,8 @@ class PrefillRecord:
     contexts: dict[int, PrefillContext] = field(default_factory=dict)
     passthrough: dict[int, Any] = field(default_factory=dict)  # sliding-window layers as they were
     prefill_s: float = 0.0
+    final_hidden: torch.Tensor | None = None  # [batch, T, hidden] after the final norm (for surprisal)
+    surprisal: torch.Tensor | None = None  # computed on first use
 
     @property
     def length(self) -> int:
@@ -45,13 +48,19 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         attention_mask = torch.ones_like(input_ids)
     cache = ZoomCache(model, "full")
     cache.recorder = {}
+    captured: dict[str, torch.Tensor] = {}
+    norm = _final_norm(model)
+    handle = norm.register_forward_hook(lambda m, a, out: captured.update(hidden=out)) if norm is not None else None
     start = time.perf_counter()
     # Positions as generate() computes them: left padding does not shift the real tokens' positions.
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=1, **compat.generate_cache_kwargs(cache))
     elapsed = time.perf_counter() - start
-    record = PrefillRecord(input_ids, attention_mask, out.logits[:, -1].float(), prefill_s=elapsed)
+    if handle is not None:
+        handle.remove()
+    record = PrefillRecord(input_ids, attention_mask, out.logits[:, -1].float(), prefill_s=elapsed,
+                           final_hidden=captured.get("hidden"))
     record.contexts = cache.recorder
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, LayerMemory):
@@ -68,13 +77,14 @@ def cache_from_record(
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **cache_kwargs)
     cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)
+    surprisal = _record_surprisal(model, record) if cache.method.needs_surprisal else None
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LayerMemory):
             ctx = record.contexts[i]
             # Methods may keep (and later update in place) what they are handed: give each its own copy.
             ctx = dataclasses.replace(ctx, keys=ctx.keys.clone(), values=ctx.values.clone(), budget=resolved,
                                       zoom_layers=cache.zoom_layer_indices, input_ids=record.input_ids,
-                                      tokenizer=tokenizer, model_name=cache.model_name)
+                                      tokenizer=tokenizer, model_name=cache.model_name, surprisal=surprisal)
             layer.lazy_initialization(ctx.keys, ctx.values)
             layer.seen = record.length
             cache.method.compress(layer, ctx)
@@ -84,3 +94,16 @@ def cache_from_record(
             # transformers' sliding-window layer replaces (never mutates) its tensors: a shallow copy is safe
             cache.layers[i] = copy.copy(record.passthrough[i])
     return cache
+
+
+def _record_surprisal(model: Any, record: PrefillRecord) -> torch.Tensor:
+    if record.surprisal is None:
+        if record.final_hidden is None:
+            raise RuntimeError("this prefill record has no final hidden states to compute surprisal from")
+        valid = record.attention_mask.bool()
+        record.surprisal = token_surprisal(
+            record.final_hidden, record.input_ids, model.get_output_embeddings(),
+            valid=None if bool(valid.all()) else valid,
+            softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None),
+        )
+    return record.surprisal

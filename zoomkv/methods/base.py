@@ -38,6 +38,7 @@ class PrefillContext:
     input_ids: torch.Tensor | None = None  # [batch, T] prompt token ids (None if the forward got embeddings)
     tokenizer: Any = None  # the model's tokenizer when the caller gave ZoomCache one (token classes, punctuation)
     model_name: str | None = None  # what the model was loaded as (calibration profiles are keyed on it)
+    surprisal: torch.Tensor | None = None  # [batch, T] nats, only for methods with needs_surprisal
 
 
 @dataclass
@@ -73,6 +74,7 @@ class KVMethod:
     recallable: ClassVar[bool] = False  # keeps every row (host tier) and can bring any back
     uses_budget: ClassVar[bool] = True
     quantizable_device: ClassVar[bool] = False  # stores device rows through memory.device_rows_buffer
+    needs_surprisal: ClassVar[bool] = False  # compress gets ctx.surprisal (computed after the last layer)
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):
         if config is None:
