@@ -1,0 +1,113 @@
+"""The contract between trained methods and the adapter artefact.
+
+A trained method (``sekv``, ``semantic_id``) owns a small ``nn.Module`` of trainable parts. Its adapter
+module builder is registered by method name, so the artefact layer (export, ``ZoomAdapter``, PEFT, Hub)
+can rebuild the module from ``adapter_config.json`` alone and load ``adapter_model.safetensors`` into it
+without knowing the method:
+
+    @register_adapter_modules("sekv")
+    def build_sekv_modules(shape: ModelShape, hyper: dict) -> nn.Module: ...
+
+``ModelShape`` is what a module needs to size itself; ``base_fingerprint`` is what an adapter records
+to refuse the wrong base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from zoomkv import compat
+from zoomkv.errors import ConfigError
+
+AdapterBuilder = Callable[["ModelShape", dict[str, Any]], torch.nn.Module]
+ADAPTER_MODULES: dict[str, AdapterBuilder] = {}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    layer_types: tuple[str, ...]
+    num_parameters: int | None = None  # of the base model, when known (for the trainable fraction)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Any, num_parameters: int | None = None) -> ModelShape:
+        text = compat.text_config(config)
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(
+            model_type=str(getattr(text, "model_type", "unknown")),
+            num_layers=int(text.num_hidden_layers),
+            num_attention_heads=int(heads),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            hidden_size=int(text.hidden_size),
+            vocab_size=int(text.vocab_size),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
+            layer_types=tuple(compat.layer_types(config)),
+            num_parameters=num_parameters,
+        )
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        return cls.from_config(model.config, sum(p.numel() for p in model.parameters()))
+
+
+def base_fingerprint(model_or_config: Any, name: str | None = None, revision: str | None = None) -> dict[str, Any]:
+    """What an adapter records about its base model: loading onto a model with another fingerprint fails."""
+    config = getattr(model_or_config, "config", model_or_config)
+    shape = ModelShape.from_config(config)
+    return {
+        "name": name or getattr(model_or_config, "zoomkv_name", None) or getattr(config, "_name_or_path", None),
+        "revision": revision,
+        "model_type": shape.model_type,
+        "num_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_size": shape.hidden_size,
+        "vocab_size": shape.vocab_size,
+    }
+
+
+FINGERPRINT_KEYS = ("model_type", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
+                    "vocab_size")
+
+
+def register_adapter_modules(method: str) -> Callable[[AdapterBuilder], AdapterBuilder]:
+    def wrap(fn: AdapterBuilder) -> AdapterBuilder:
+        ADAPTER_MODULES[method] = fn
+        return fn
+
+    return wrap
+
+
+def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
+    import zoomkv.methods  # noqa: F401  (method modules register their adapter builders on import)
+
+    if method not in ADAPTER_MODULES:
+        raise ConfigError(f"method {method!r} has no trainable adapter; trainable methods: {sorted(ADAPTER_MODULES)}")
+    return ADAPTER_MODULES[method](shape, hyper)
+
+
+def trainable_fraction(modules: torch.nn.Module, shape: ModelShape) -> float:
+    if not shape.num_parameters:
+        raise ConfigError("the base model's parameter count is unknown")
+    return sum(p.numel() for p in modules.parameters() if p.requires_grad) / shape.num_parameters
