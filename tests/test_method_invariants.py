@@ -92,3 +92,23 @@ def test_small_budget_never_exceeded(tiny, name):
     report = cache.memory_report()
     compressed = [r for r in report.layers if r.kind == "zoom"]  # dense layers keep everything by design
     assert compressed and sum(r.device_bytes for r in compressed) < sum(r.full_kv_bytes for r in compressed)
+
+
+RECALLABLE = sorted(n for n in BUDGETED if METHODS[n].recallable)
+
+
+@pytest.mark.parametrize("name", RECALLABLE)
+def test_tail_summary_keeps_the_invariants(tiny, name):
+    model, _ = tiny
+    ids, mask = _batch(model.config.vocab_size)
+    ref = _generate(model, ids, mask, ZoomCache(model, "full"))
+    out = _generate(model, ids, mask, ZoomCache(model, name, 4096, tail_summary=True))
+    assert torch.equal(out.sequences, ref.sequences), name
+    method = get_method(name)
+    budget = max(method.min_budget() + 1, 40)
+    cache = ZoomCache(model, method, budget, tail_summary=True)
+    _generate(model, ids, mask, cache, new=16)  # the runtime raises if any step holds more than B rows
+    assert 0 < cache.max_device_rows <= budget + sum(
+        cache.layers[i].max_device_rows for i in cache.zoom_layer_indices
+        if method.dense_layer(i, cache.num_layers_total)
+    )

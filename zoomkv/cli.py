@@ -84,6 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, tokenizer, prompt, method=method, budget=args.budget, max_new_tokens=args.max_new_tokens,
         chat=None if args.chat == "auto" else args.chat == "on",
         kv_quant=None if args.kv_quant == "none" else args.kv_quant, kv_quant_tiers=args.kv_quant_tiers,
+        tail_summary=args.tail_summary,
     )
     report = result.memory
     if args.json:
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the host tier as int8/int4 codes with per-group fp16 scales")
     g.add_argument("--kv-quant-tiers", choices=["host", "all"], default="host",
                    help="'all' quantizes the device tier's stored rows too (full)")
+    g.add_argument("--tail-summary", action="store_true",
+                   help="recallable methods: add one mean row (log-count bias) for every row not selected")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="auto")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, memory, timings)")

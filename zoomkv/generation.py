@@ -95,6 +95,7 @@ def generate_text(
     stop_at_eos: bool = True,
     kv_quant: str | None = None,
     kv_quant_tiers: str = "host",
+    tail_summary: bool = False,
 ) -> GenerationResult:
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -107,7 +108,7 @@ def generate_text(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, kv_quant=kv_quant, kv_quant_tiers=kv_quant_tiers,
-                      **(method_kwargs or {}))
+                      tail_summary=tail_summary, **(method_kwargs or {}))
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -151,6 +152,12 @@ class MethodRun:
     kwargs: dict[str, Any] = field(default_factory=dict)
     kv_quant: str | None = None  # "int8" / "int4": quantize the host tier (and the device tier with "all")
     kv_quant_tiers: str = "host"
+    tail_summary: bool = False  # add the softmax-tail row (recallable methods only)
+
+    @property
+    def label(self) -> str:
+        extra = ("+tail" if self.tail_summary else "") + (f"+{self.kv_quant}" if self.kv_quant else "")
+        return self.method + extra
 
 
 @torch.inference_mode()
@@ -185,7 +192,7 @@ def generate_methods(
     results = []
     for run in runs:
         cache = cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, kv_quant=run.kv_quant,
-                                  kv_quant_tiers=run.kv_quant_tiers, **run.kwargs)
+                                  kv_quant_tiers=run.kv_quant_tiers, tail_summary=run.tail_summary, **run.kwargs)
         clock = _StepClock()
         start = time.perf_counter()
         if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):

@@ -14,6 +14,7 @@ ZoomCache, training forwards) goes straight to sdpa, untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
+from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.methods.base import PrefillContext, Selection
 
 ATTENTION_NAME = "zoomkv"
@@ -112,9 +114,7 @@ def zoomkv_attention_forward(
             # final-norm hook (see cache.attach) compresses every pending layer then.
             cache.pending[layer_idx] = ctx
             return out, None
-        method.compress(memory, ctx)
-        memory.compressed = True
-        _check_budget(cache, memory, budget)
+        compress_layer(cache, memory, ctx)
         return out, None
 
     if layer_idx in cache.pending:
@@ -129,8 +129,12 @@ def zoomkv_attention_forward(
             "start from a fresh ZoomCache"
         )
     method.append(memory, key, value)
+    if cache.tail_summary:
+        append_tail(memory, key, value)
     sel = method.select(memory, query)
     _check_budget(cache, memory, cache.budget_rows)
+    if cache.tail_summary:
+        sel = with_tail(memory, sel)
     if sel.use_model_mask:
         out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0, scaling=scale, **kwargs)
         return out, None
@@ -142,14 +146,23 @@ def finish_prefill(cache: Any, surprisal: torch.Tensor) -> None:
     for layer_idx in sorted(cache.pending):
         ctx = cache.pending.pop(layer_idx)
         ctx.surprisal = surprisal.to(ctx.keys.device)
-        memory = cache.zoom_layer(layer_idx)
-        cache.method.compress(memory, ctx)
-        memory.compressed = True
-        _check_budget(cache, memory, ctx.budget)
+        compress_layer(cache, cache.zoom_layer(layer_idx), ctx)
+
+
+def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
+    """Hand a prefilled layer to its method (live, after surprisal, or replayed from a record)."""
+    budget = ctx.budget
+    if cache.tail_summary:
+        # The tail row is one of the B device rows: the method gets B - 1 for everything else.
+        ctx = dataclasses.replace(ctx, budget=None if budget is None else budget - 1)
+        init_tail(memory, ctx)
+    cache.method.compress(memory, ctx)
+    memory.compressed = True
+    _check_budget(cache, memory, budget)
 
 
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
-    rows = cache.method.device_rows(memory)
+    rows = cache.method.device_rows(memory) + (1 if cache.tail_summary else 0)
     memory.max_device_rows = max(memory.max_device_rows, rows)
     method, n = cache.method, cache.num_layers_total
     if not method.uses_budget or budget is None or method.dense_layer(memory.layer_idx, n):

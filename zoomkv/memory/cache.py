@@ -96,6 +96,7 @@ class ZoomCache(Cache):
         kv_quant: str | QuantSpec | None = None,
         kv_quant_tiers: str = "host",
         kv_quant_group: int = 32,
+        tail_summary: bool = False,
         **method_kwargs: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
@@ -106,8 +107,14 @@ class ZoomCache(Cache):
         if self.method.uses_budget and self.budget is None:
             raise BudgetError(f"method {self.method.name!r} needs a budget (e.g. budget=256 or budget=0.1)")
         if self.budget is not None and self.budget.rows is not None:
-            self.method.check_budget(self.budget.rows)
+            self.method.check_budget(self.budget.rows - (1 if tail_summary else 0))
         self.budget_rows: int | None = None  # resolved at prefill
+        self.tail_summary = bool(tail_summary)  # one mean row for everything unselected (zoomkv.memory.tail)
+        if self.tail_summary and not self.method.recallable:
+            raise ConfigError(
+                f"tail_summary needs a recallable method (its rows are the sequence's own rows); "
+                f"{self.method.name!r} is not one"
+            )
         self.kv_quant = kv_quant if isinstance(kv_quant, QuantSpec) or kv_quant is None else QuantSpec.parse(
             kv_quant, kv_quant_tiers, kv_quant_group
         )
@@ -153,7 +160,7 @@ class ZoomCache(Cache):
             return None
         if self.budget_rows is None:
             self.budget_rows = self.budget.resolve(context_length)
-            self.method.check_budget(self.budget_rows)
+            self.method.check_budget(self.budget_rows - (1 if self.tail_summary else 0))
         return self.budget_rows
 
     def memory_report(self) -> MemoryReport:

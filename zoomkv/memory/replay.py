@@ -19,7 +19,7 @@ import torch
 
 from zoomkv import compat
 from zoomkv.budget import Budget
-from zoomkv.memory.attention import _check_budget
+from zoomkv.memory.attention import compress_layer
 from zoomkv.memory.cache import ZoomCache, _final_norm
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.surprisal import token_surprisal
@@ -87,9 +87,7 @@ def cache_from_record(
                                       tokenizer=tokenizer, model_name=cache.model_name, surprisal=surprisal)
             layer.lazy_initialization(ctx.keys, ctx.values)
             layer.seen = record.length
-            cache.method.compress(layer, ctx)
-            layer.compressed = True
-            _check_budget(cache, layer, resolved)
+            compress_layer(cache, layer, ctx)
         else:
             # transformers' sliding-window layer replaces (never mutates) its tensors: a shallow copy is safe
             cache.layers[i] = copy.copy(record.passthrough[i])

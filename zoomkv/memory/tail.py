@@ -1,0 +1,63 @@
+"""The softmax tail: one extra row per KV head standing for every row a step did not select.
+
+Its key and value are the mean of the unselected rows, and its logit gets ``+log(count)``, so in the
+softmax it weighs about what those rows weighed together (exactly, when they share one key). DESIGN.md's
+measured fact: on SmolLM2-135M at ~4K tokens, exact top-256 alone loses about one passkey answer in
+eight, and adding this row loses none. An option (``ZoomCache(..., tail_summary=True)``) for every
+recallable method: the runtime keeps running sums of all real rows on the device tier (two rows and a
+count per KV head), so the mean of the rest is ``(sum - selected) / (count - selected)`` at O(k) a step.
+The row counts against the budget: the method is given B - 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zoomkv.methods.base import PrefillContext, Selection
+
+
+def init_tail(memory, ctx: PrefillContext) -> None:
+    keys, values = ctx.keys.float(), ctx.values.float()
+    if ctx.valid is not None:
+        w = ctx.valid[:, None, :, None].to(keys.device, keys.dtype)
+        keys, values = keys * w, values * w
+        count = ctx.valid.sum(-1).to(keys.dtype)[:, None, None].expand(-1, keys.shape[1], 1).clone()
+    else:
+        count = torch.full((keys.shape[0], keys.shape[1], 1), float(keys.shape[2]), device=keys.device)
+    memory.device_tier["tail_key_sum"] = keys.sum(2, keepdim=True)
+    memory.device_tier["tail_value_sum"] = values.sum(2, keepdim=True)
+    memory.device_tier["tail_count"] = count
+
+
+def append_tail(memory, key: torch.Tensor, value: torch.Tensor) -> None:
+    tier = memory.device_tier
+    tier["tail_key_sum"] += key.float().sum(2, keepdim=True)
+    tier["tail_value_sum"] += value.float().sum(2, keepdim=True)
+    tier["tail_count"] += key.shape[2]
+
+
+def with_tail(memory, sel: Selection) -> Selection:
+    """``sel`` plus the tail row. The selected rows must be distinct original rows (recallable methods)."""
+    tier = memory.device_tier
+    keys, values = sel.keys.float(), sel.values.float()
+    if sel.bias is not None:
+        real = torch.isfinite(sel.bias).to(keys.dtype)[..., None]  # padding rows are not in the sums
+        keys, values = keys * real, values * real
+        chosen = real.sum(2)  # [b, h, 1]
+    else:
+        chosen = torch.full_like(tier["tail_count"], float(keys.shape[2]))
+    rest = tier["tail_count"] - chosen
+    denom = rest.clamp_min(1.0)[..., None]
+    mean_k = (tier["tail_key_sum"] - keys.sum(2, keepdim=True)) / denom
+    mean_v = (tier["tail_value_sum"] - values.sum(2, keepdim=True)) / denom
+    # No row left out → the tail row must weigh nothing (keeps budgets ≥ context exactly full attention).
+    tail_bias = torch.where(rest > 0.5, rest.clamp_min(1.0).log(), torch.full_like(rest, -math.inf))
+    dtype = sel.keys.dtype
+    bias = sel.bias if sel.bias is not None else torch.zeros(sel.keys.shape[:3], dtype=dtype, device=sel.keys.device)
+    return Selection(
+        torch.cat([sel.keys, mean_k.to(dtype)], dim=2),
+        torch.cat([sel.values, mean_v.to(dtype)], dim=2),
+        torch.cat([bias, tail_bias.to(bias.dtype)], dim=2),
+    )
