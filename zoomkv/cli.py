@@ -64,7 +64,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from zoomkv.models import load_model
 
     method_kwargs = _parse_method_args(args.method_arg)
-    method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
+    adapter = None
+    if args.adapter:
+        from zoomkv.adapters.model import ZoomAdapter
+
+        adapter = ZoomAdapter.from_pretrained(args.adapter)  # fail fast (corrupt, offline...), before the model
+        method = adapter.make_method(**method_kwargs)  # the adapter's method, hyper-parameters and modules
+        if args.budget is None:
+            args.budget = adapter.config.budget
+    else:
+        method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
     Budget.parse(args.budget)
     if args.kv_quant_tiers == "all" and args.kv_quant != "none" and not method.quantizable_device:
         raise ZoomKVError(f"--kv-quant-tiers all is not supported by {method.name!r} (only by: full)")
@@ -80,6 +89,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise ZoomKVError("the prompt is empty")
     model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    if adapter is not None:
+        adapter.attach(model)  # wrong base model → BaseModelMismatchError naming both (exit 2)
     result = generate_text(
         model, tokenizer, prompt, method=method, budget=args.budget, max_new_tokens=args.max_new_tokens,
         chat=None if args.chat == "auto" else args.chat == "on",
@@ -148,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from a prompt with a KV method and print the memory report")
     g.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     g.add_argument("--method", default="full", help="a name from `zoomkv methods`")
+    g.add_argument("--adapter", default=None,
+                   help="a trained adapter (folder from `zoomkv export` or Hub id); sets the method and budget")
     g.add_argument("--budget", default=None, help="device-tier rows per layer per KV head: 512, or 0.1 of the prompt")
     g.add_argument("--method-arg", "--method-args", dest="method_arg", action="append", metavar="KEY=VALUE[,K=V]",
                    help="override method hyper-parameters (repeatable, or comma-separated)")

@@ -145,6 +145,15 @@ class ZoomCache(Cache):
         if hasattr(model_or_config, "config"):
             attach(model_or_config)
 
+    @classmethod
+    def from_adapter(cls, model: Any, adapter: Any, budget: str | int | float | Budget | None = None,
+                     **kwargs: Any) -> ZoomCache:
+        """A cache running a trained adapter (``ZoomAdapter``, folder or Hub id): checks the base model,
+        attaches, and uses the adapter's budget when ``budget`` is None."""
+        from zoomkv.adapters.model import cache_from_adapter
+
+        return cache_from_adapter(model, adapter, budget, **kwargs)
+
     # transformers calls this right before the attention function of the same layer
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         if isinstance(self.layers[layer_idx], LayerMemory):

@@ -1,0 +1,477 @@
+"""The adapter artefact: config, weights, export, loading, errors, model card, offline Hub cache, CLI.
+
+A test-only trained method (``adapter_probe``) stands in for sekv / semantic_id: oracle top-k recall
+whose scoring query is shifted by a learned per-layer, per-KV-head vector from its adapter module, so the
+recalled rows, and so the generated tokens, depend on the adapter's weights. It is registered by a
+fixture and removed afterwards, so the generic method-invariant tests never see it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from zoomkv.adapters import base as adapter_base
+from zoomkv.adapters.card import load_scores, render_card
+from zoomkv.adapters.checkpoint import STATE_NAME, export_checkpoint, write_checkpoint
+from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
+from zoomkv.adapters.errors import (
+    AdapterConfigError,
+    AdapterError,
+    AdapterExistsError,
+    AdapterKeysError,
+    AdapterNotFoundError,
+    AdapterOfflineError,
+    AdapterShapeError,
+    AdapterVersionError,
+    AdapterWeightsError,
+    BaseModelMismatchError,
+)
+from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter
+from zoomkv.compat import generate_cache_kwargs
+from zoomkv.errors import ZoomKVError
+from zoomkv.memory.recall import padding_bias, recall_rows
+from zoomkv.methods import METHODS
+from zoomkv.methods.base import Selection, group_query
+from zoomkv.methods.oracle_topk import OracleTopK, OracleTopKConfig
+from zoomkv.models import load_model
+
+PROBE = "adapter_probe"
+
+
+class ProbeModules(torch.nn.Module):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.query_shift = torch.nn.Parameter(torch.randn(num_layers, kv_heads, head_dim) * scale)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def build_probe(shape: adapter_base.ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
+    return ProbeModules(shape.num_layers, shape.num_kv_heads, shape.head_dim, float(hyper.get("scale", 1.0)))
+
+
+@dataclass
+class ProbeConfig(OracleTopKConfig):
+    scale: float = 1.0
+
+
+class ProbeMethod(OracleTopK):
+    name = PROBE
+    config_class = ProbeConfig
+    summary = "test-only: oracle top-k with a learned query shift"
+    adapter: torch.nn.Module | None = None
+
+    def attach_adapter(self, modules: torch.nn.Module) -> None:
+        self.adapter = modules
+
+    def select(self, memory, query: torch.Tensor) -> Selection:
+        keys = memory.host_tier["keys"].view()
+        values = memory.host_tier["values"].view()
+        n = keys.shape[2]
+        k = min(memory.meta["budget"], n)
+        q = group_query(query, keys.shape[1]).to(keys.device)
+        if self.adapter is not None:
+            shift = self.adapter.query_shift[memory.layer_idx].to(q.dtype)  # [kv_heads, d]
+            q = q + shift[None, :, None, :]
+        score = torch.matmul(q, keys.transpose(-1, -2)).float().amax(dim=2)
+        idx = score.topk(k, dim=-1).indices.sort(dim=-1).values if k < n else None
+        rk, rv = recall_rows(memory, keys, values, idx)
+        return Selection(rk, rv, padding_bias(None, idx, keys.shape[1], query.dtype, query.device))
+
+
+@pytest.fixture
+def probe_method():
+    METHODS[PROBE] = ProbeMethod
+    adapter_base.ADAPTER_MODULES[PROBE] = build_probe
+    yield PROBE
+    METHODS.pop(PROBE, None)
+    adapter_base.ADAPTER_MODULES.pop(PROBE, None)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("tiny-qwen3")
+
+
+PROMPT = "The pass key is 71934. Remember it. " + "Grass is green, the sky is blue. " * 12 + "The pass key is"
+
+
+def fresh_adapter(model, seed: int = 0, scale: float = 4.0) -> ZoomAdapter:
+    torch.manual_seed(seed)
+    return ZoomAdapter.initialise(model, PROBE, {"scale": scale}, budget=8)
+
+
+def run(model, tokenizer, adapter: ZoomAdapter, budget: int = 8, new: int = 12) -> list[int]:
+    inputs = tokenizer([PROMPT], return_tensors="pt")
+    cache = cache_from_adapter(model, adapter, budget)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                             pad_token_id=tokenizer.pad_token_id, **generate_cache_kwargs(cache))
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ----------------------------------------------------------------------------------------- round trip
+def test_round_trip_same_tokens(tmp_path, probe_method, llama):
+    model, tok = llama
+    adapter = fresh_adapter(model)
+    before = run(model, tok, adapter)
+    out = adapter.save_pretrained(tmp_path / "probe")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", CONFIG_NAME, WEIGHTS_NAME]
+    loaded = ZoomAdapter.from_pretrained(out)
+    for key, value in adapter.modules.state_dict().items():
+        assert torch.equal(value, loaded.modules.state_dict()[key])
+    assert run(model, tok, loaded) == before
+    # The weights do steer the method: other weights recall other rows.
+    other = fresh_adapter(model, seed=1, scale=50.0)
+    assert run(model, tok, other) != before or not torch.equal(other.modules.query_shift, adapter.modules.query_shift)
+
+
+def test_config_is_sorted_versioned_and_fingerprinted(tmp_path, probe_method, llama):
+    model, _ = llama
+    out = fresh_adapter(model).save_pretrained(tmp_path / "a")
+    text = (out / CONFIG_NAME).read_text()
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    assert data["format_version"] == 1 and data["method"] == PROBE and data["hyper"] == {"scale": 4.0}
+    assert data["base_model"]["name"] == "tiny-llama" and data["base_model"]["num_layers"] == 4
+    assert data["toolkit_version"] and 0 < data["trainable_fraction"] < 1 and data["budget"] == 8
+    # Deterministic: saving the same adapter again gives the same bytes.
+    again = ZoomAdapter.from_pretrained(out).save_pretrained(tmp_path / "b")
+    assert (again / CONFIG_NAME).read_text() == text
+    assert (again / WEIGHTS_NAME).read_bytes() == (out / WEIGHTS_NAME).read_bytes()
+
+
+# ----------------------------------------------------------------------------------------- errors
+def test_wrong_base_model_names_both(tmp_path, probe_method, llama, qwen):
+    adapter = fresh_adapter(llama[0])
+    with pytest.raises(BaseModelMismatchError) as err:
+        adapter.attach(qwen[0])
+    msg = str(err.value)
+    assert "tiny-llama" in msg and "tiny-qwen3" in msg and "model_type" in msg and "'llama'" in msg
+    with pytest.raises(BaseModelMismatchError):
+        cache_from_adapter(qwen[0], adapter, 8)
+    saved = adapter.save_pretrained(tmp_path / "a")
+    with pytest.raises(BaseModelMismatchError):
+        ZoomAdapter.from_pretrained(saved, model=qwen[0])
+
+
+def test_same_architecture_other_size_is_refused(probe_method, llama):
+    adapter = fresh_adapter(llama[0])
+    adapter.config.base_model = {**adapter.config.base_model, "hidden_size": 999, "name": "other-model"}
+    with pytest.raises(BaseModelMismatchError, match=r"other-model.*tiny-llama.*hidden_size: adapter 999"):
+        adapter.check_base(llama[0])
+
+
+@pytest.fixture
+def saved(tmp_path, probe_method, llama) -> Path:
+    return fresh_adapter(llama[0]).save_pretrained(tmp_path / "saved")
+
+
+def test_truncated_weights(saved):
+    data = (saved / WEIGHTS_NAME).read_bytes()
+    (saved / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterWeightsError, match="corrupt or truncated"):
+        ZoomAdapter.from_pretrained(saved)
+    # Also caught by safetensors itself when no checksum is recorded.
+    config = json.loads((saved / CONFIG_NAME).read_text())
+    config["weights_sha256"] = None
+    (saved / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(AdapterWeightsError, match="not a readable safetensors"):
+        ZoomAdapter.from_pretrained(saved)
+
+
+def test_corrupt_weights_bytes(saved):
+    data = bytearray((saved / WEIGHTS_NAME).read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in a tensor: valid safetensors, wrong content
+    (saved / WEIGHTS_NAME).write_bytes(bytes(data))
+    with pytest.raises(AdapterWeightsError, match="checksum"):
+        ZoomAdapter.from_pretrained(saved)
+    (saved / WEIGHTS_NAME).write_bytes(b"\x00" * 7)
+    with pytest.raises(AdapterWeightsError):
+        ZoomAdapter.from_pretrained(saved)
+
+
+def _rewrite_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(folder / WEIGHTS_NAME))
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    config["weights_sha256"] = None
+    (folder / CONFIG_NAME).write_text(json.dumps(config))
+
+
+def test_missing_and_unexpected_keys(saved):
+    _rewrite_weights(saved, {"query_shift": torch.zeros(4, 2, 16)})
+    with pytest.raises(AdapterKeysError, match=r"missing \['steps'\]"):
+        ZoomAdapter.from_pretrained(saved)
+    _rewrite_weights(saved, {"query_shift": torch.zeros(4, 2, 16), "steps": torch.zeros((), dtype=torch.int64),
+                             "extra": torch.zeros(1)})
+    with pytest.raises(AdapterKeysError, match=r"unexpected \['extra'\]"):
+        ZoomAdapter.from_pretrained(saved)
+
+
+def test_wrong_shapes(saved):
+    _rewrite_weights(saved, {"query_shift": torch.zeros(4, 2, 8), "steps": torch.zeros((), dtype=torch.int64)})
+    with pytest.raises(AdapterShapeError, match=r"query_shift: file \(4, 2, 8\) vs modules \(4, 2, 16\)"):
+        ZoomAdapter.from_pretrained(saved)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"format_version": 99}, AdapterVersionError, "format_version 99 is not supported"),
+    ({"format_version": None}, AdapterConfigError, "format_version"),
+    ({"surprise": 1}, AdapterConfigError, r"unknown field\(s\) \['surprise'\]"),
+    ({"hyper": "scale=4"}, AdapterConfigError, "'hyper' has type str"),
+])
+def test_bad_config(saved, change, error, match):
+    config = json.loads((saved / CONFIG_NAME).read_text())
+    config.update(change)
+    if change.get("format_version", 0) is None:
+        del config["format_version"]
+    (saved / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(error, match=match):
+        ZoomAdapter.from_pretrained(saved)
+
+
+def test_bad_config_json_and_missing_files(saved, tmp_path):
+    (saved / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(AdapterConfigError, match="not valid JSON"):
+        ZoomAdapter.from_pretrained(saved)
+    (saved / CONFIG_NAME).unlink()
+    with pytest.raises(AdapterNotFoundError, match="no adapter_config.json"):
+        ZoomAdapter.from_pretrained(saved)
+    with pytest.raises(AdapterNotFoundError, match="not a Hub id"):
+        ZoomAdapter.from_pretrained(str(tmp_path / "nope" / "deeper" / "x"))
+
+
+def test_hyper_parameters_must_be_json(probe_method, llama):
+    with pytest.raises(AdapterConfigError, match="JSON values"):
+        ZoomAdapter.initialise(llama[0], PROBE, {"scale": 1.0, "callback": object()})
+
+
+def test_every_error_is_a_zoomkv_error():
+    for cls in (AdapterConfigError, AdapterVersionError, AdapterWeightsError, AdapterKeysError, AdapterShapeError,
+                AdapterNotFoundError, AdapterOfflineError, AdapterExistsError, BaseModelMismatchError):
+        assert issubclass(cls, AdapterError) and issubclass(cls, ZoomKVError)
+
+
+def test_nothing_is_unpickled(monkeypatch, saved):
+    def refuse(*args: Any, **kwargs: Any):
+        raise AssertionError("torch.load / pickle must never run on an adapter")
+
+    import pickle
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    ZoomAdapter.from_pretrained(saved)
+
+
+# ----------------------------------------------------------------------------------------- export
+def _checkpoint(tmp_path: Path, model, seed: int = 0) -> Path:
+    adapter = fresh_adapter(model, seed)
+    c = adapter.config
+    return write_checkpoint(tmp_path / "ckpt" / "step-10", adapter.modules, method=c.method, hyper=c.hyper,
+                            base_model=c.base_model, shape=c.model_shape(), budget=c.budget, extra={"step": 10})
+
+
+def test_export_from_checkpoint_round_trip(tmp_path, probe_method, llama):
+    model, tok = llama
+    ckpt = _checkpoint(tmp_path, model)
+    out = export_checkpoint(ckpt, tmp_path / "checkpoints" / "probe")
+    assert run(model, tok, ZoomAdapter.from_pretrained(out)) == run(model, tok, fresh_adapter(model))
+    with pytest.raises(AdapterExistsError):
+        export_checkpoint(ckpt, out)
+    export_checkpoint(ckpt, out, overwrite=True)
+
+
+def test_export_crash_leaves_nothing_loadable(tmp_path, probe_method, llama, monkeypatch):
+    import zoomkv.adapters.export as export
+
+    ckpt = _checkpoint(tmp_path, llama[0])
+    out = tmp_path / "checkpoints" / "probe"
+    real = export._write_file
+    written: list[str] = []
+
+    def crash_midway(path: Path, data: bytes) -> None:
+        if path.name == WEIGHTS_NAME:
+            path.write_bytes(data[: len(data) // 3])  # a half-written weights file, then the "kill"
+            written.append(path.name)
+            raise OSError("simulated crash while writing the weights")
+        real(path, data)
+
+    monkeypatch.setattr(export, "_write_file", crash_midway)
+    with pytest.raises(OSError, match="simulated crash"):
+        export_checkpoint(ckpt, out)
+    assert written and not out.exists()
+    assert [p for p in out.parent.iterdir()] == []  # the staging folder is gone too
+    monkeypatch.setattr(export, "_write_file", real)
+    export_checkpoint(ckpt, out)
+    ZoomAdapter.from_pretrained(out)
+
+
+def test_crash_during_overwrite_keeps_previous_adapter(tmp_path, probe_method, llama, monkeypatch):
+    import zoomkv.adapters.export as export
+
+    model = llama[0]
+    first = fresh_adapter(model, 0).save_pretrained(tmp_path / "a")
+    before = (first / WEIGHTS_NAME).read_bytes()
+    real_replace = export.os.replace
+    calls = {"n": 0}
+
+    def fail_second(src: Any, dst: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the staging → target rename
+            raise OSError("simulated crash at the rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", fail_second)
+    with pytest.raises(OSError):
+        fresh_adapter(model, 1).save_pretrained(first, overwrite=True)
+    monkeypatch.setattr(export.os, "replace", real_replace)
+    assert (first / WEIGHTS_NAME).read_bytes() == before
+    ZoomAdapter.from_pretrained(first)
+
+
+def test_sigkill_during_export_then_rerun(tmp_path, probe_method, llama):
+    """A real kill: a subprocess exports and SIGKILLs itself right after the staging folder is renamed
+    onto the target, before the incomplete marker is removed (the last moment anything could go wrong)."""
+    ckpt = _checkpoint(tmp_path, llama[0])
+    out = tmp_path / "checkpoints" / "probe"
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_adapter_artifact as t
+from zoomkv.adapters import base
+import zoomkv.adapters.export as export
+from zoomkv.methods import METHODS
+METHODS[t.PROBE] = t.ProbeMethod
+base.ADAPTER_MODULES[t.PROBE] = t.build_probe
+real = export._fsync_dir
+def killer(path):
+    real(path)
+    if path == export.Path({str(out.parent)!r}):
+        os.kill(os.getpid(), signal.SIGKILL)
+export._fsync_dir = killer
+from zoomkv.adapters.checkpoint import export_checkpoint
+export_checkpoint({str(ckpt)!r}, {str(out)!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert out.exists() and (out / WEIGHTS_NAME).exists()  # renamed, complete files, but still marked
+    with pytest.raises(AdapterNotFoundError, match="incomplete export"):
+        ZoomAdapter.from_pretrained(out)
+    export_checkpoint(ckpt, out)  # the re-run replaces it without --overwrite
+    ZoomAdapter.from_pretrained(out)
+    assert [p.name for p in out.parent.iterdir()] == ["probe"]
+
+
+def test_stale_staging_of_a_dead_export_is_swept(tmp_path, probe_method, llama):
+    ckpt = _checkpoint(tmp_path, llama[0])
+    parent = tmp_path / "checkpoints"
+    stale = parent / ".probe.partial-999999999-abcd"  # a pid no process has: its export was killed
+    stale.mkdir(parents=True)
+    (stale / WEIGHTS_NAME).write_bytes(b"half")
+    export_checkpoint(ckpt, parent / "probe")
+    assert [p.name for p in parent.iterdir()] == ["probe"]
+
+
+def test_checkpoint_errors(tmp_path, probe_method, llama):
+    with pytest.raises(AdapterNotFoundError):
+        export_checkpoint(tmp_path / "missing", tmp_path / "out")
+    ckpt = _checkpoint(tmp_path, llama[0])
+    (ckpt / STATE_NAME).write_bytes((ckpt / STATE_NAME).read_bytes()[:40])
+    with pytest.raises(AdapterWeightsError):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------- model card
+SCORES = {
+    "summary": {"ruler_niah": {"accuracy": 0.93, "n": 40}, "longbench_qa": {"f1": 0.41, "n": 20}},
+    "rows": [{"task": "ruler_niah", "length": 4096, "accuracy": 0.95}, {"task": "ruler_niah", "length": 8192,
+                                                                          "accuracy": 0.91}],
+}
+
+
+def test_model_card_metadata(tmp_path, probe_method, llama):
+    from huggingface_hub import ModelCard
+
+    scores_file = tmp_path / "eval.json"
+    scores_file.write_text(json.dumps(SCORES))
+    out = fresh_adapter(llama[0]).save_pretrained(tmp_path / "a", scores=load_scores(scores_file))
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "zoomkv"
+    assert {"zoomkv", "kv-cache", PROBE} <= set(data["tags"])
+    assert data["zoomkv"]["method"] == PROBE and data["zoomkv"]["budget"] == 8
+    assert data["zoomkv"]["base_model_name"] == "tiny-llama"
+    assert 0 < data["zoomkv"]["trainable_fraction"] < 1
+    assert {"name": "ruler_niah", "accuracy": 0.93, "n": 40} in data["zoomkv"]["scores"]
+    text = card.text
+    for needle in ("tiny-llama", PROBE, "budget", "trainable fraction", "0.93", "8192", "0.91"):
+        assert needle in text
+
+
+def test_model_card_from_eval_output_folder(tmp_path, probe_method, llama):
+    """The files `zoomkv eval --out DIR` writes: summary.json (nested per-task scores) and rows.json."""
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    summary = [{"config": PROBE, "method": PROBE, "budget": "8", "rows": 2, "score": {"niah_single": 0.75},
+                "avg": 0.75, "device_ratio": 0.1, "decode_ratio": None}]
+    (out / "summary.json").write_text(json.dumps({"run": {"model": "tiny-llama"}, "summary": summary}))
+    (out / "rows.json").write_text(json.dumps([{"task": "niah_single", "length": 512, "score": 1.0},
+                                               {"task": "niah_single", "length": 512, "score": 0.5}]))
+    folder = fresh_adapter(llama[0]).save_pretrained(tmp_path / "a", scores=load_scores(out))
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.to_dict()["zoomkv"]["scores"][0]["score.niah_single"] == 0.75
+    assert "score.niah_single" in card.text and "| niah_single | 512 | 0.5 |" in card.text
+
+
+def test_model_card_base_model_hub_id(probe_method, llama):
+    from huggingface_hub import ModelCard
+
+    config = fresh_adapter(llama[0]).config
+    config.base_model = {**config.base_model, "name": "smollm2-135m"}
+    data = ModelCard(render_card(config)).data.to_dict()
+    assert data["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config.base_model = {**config.base_model, "name": "tiny-llama"}
+    assert "base_model" not in ModelCard(render_card(config)).data.to_dict()  # not a Hub id: left out
+
+
+def test_model_card_is_not_a_template(probe_method, llama):
+    config = fresh_adapter(llama[0]).config
+    text = render_card(config, {"summary": [{"name": "{{ 7*7 }}", "score": 1}], "rows": []})
+    assert "{{ 7*7 }}" in text and "49" not in text
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def test_cli_export_and_errors(tmp_path, probe_method, llama, capsys, monkeypatch):
+    from zoomkv.cli import main
+
+    ckpt = _checkpoint(tmp_path, llama[0])
+    scores = tmp_path / "eval.json"
+    scores.write_text(json.dumps(SCORES))
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(ckpt), "--scores", str(scores), "--budget", "8"]) == 0
+    out = tmp_path / "checkpoints" / "step-10"
+    assert ZoomAdapter.from_pretrained(out).config.budget == 8
+    assert "0.93" in (out / "README.md").read_text()
+    assert main(["export", str(ckpt)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zoomkv: error:") and len(err.strip().splitlines()) == 1
+    assert main(["push", str(tmp_path / "nothing"), "--repo-id", "me/x"]) == 2

@@ -1,0 +1,89 @@
+"""The training checkpoint layout ``zoomkv export`` reads, and the export itself.
+
+A training checkpoint folder holds (other files, e.g. optimizer state or the resolved recipe, are ignored):
+
+    adapter_state.safetensors   the adapter modules' state_dict (module_tensors(modules))
+    adapter_meta.json           {"method": str, "hyper": {...}, "base_model": base_fingerprint(model),
+                                 "shape": ModelShape.from_model(model).to_dict(),
+                                 "budget": optional, "step": optional, ...}
+
+``write_checkpoint`` writes exactly that, for the training loop to call. An exported adapter folder is a
+valid CHECKPOINT too (re-export, e.g. to add scores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoomkv.adapters.base import ModelShape
+from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
+from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
+from zoomkv.adapters.export import write_folder_atomically
+from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.adapters.weights import module_tensors, read_weights, tensors_to_bytes
+
+STATE_NAME = "adapter_state.safetensors"
+META_NAME = "adapter_meta.json"
+META_REQUIRED = ("method", "hyper", "base_model", "shape")
+
+
+def write_checkpoint(folder: str | Path, modules: torch.nn.Module, *, method: str, hyper: dict[str, Any],
+                     base_model: dict[str, Any], shape: ModelShape, budget: str | int | float | None = None,
+                     extra: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
+    meta = {"method": method, "hyper": hyper, "base_model": base_model, "shape": shape.to_dict(),
+            "budget": budget, **(extra or {})}
+    files = {STATE_NAME: tensors_to_bytes(module_tensors(modules)),
+             META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
+    return write_folder_atomically(folder, files, overwrite=overwrite)
+
+
+def load_checkpoint(path: str | Path) -> ZoomAdapter:
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterNotFoundError(f"checkpoint folder not found: {path}")
+    if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
+        return ZoomAdapter.from_pretrained(path)
+    if not (path / META_NAME).is_file() or not (path / STATE_NAME).is_file():
+        raise AdapterNotFoundError(
+            f"{path} is not a training checkpoint: it needs {STATE_NAME} and {META_NAME} (or an exported adapter)"
+        )
+    try:
+        meta = json.loads((path / META_NAME).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AdapterConfigError(f"{path / META_NAME}: not valid JSON ({err})") from err
+    if not isinstance(meta, dict):
+        raise AdapterConfigError(f"{path / META_NAME}: expected a JSON object")
+    missing = [k for k in META_REQUIRED if k not in meta]
+    if missing:
+        raise AdapterConfigError(f"{path / META_NAME}: missing field(s) {missing}")
+    shape_data = dict(meta["shape"])
+    shape_data["layer_types"] = tuple(shape_data.get("layer_types", ()))
+    try:
+        shape = ModelShape(**shape_data)
+    except TypeError as err:
+        raise AdapterConfigError(f"{path / META_NAME}: invalid 'shape' ({err})") from err
+    tensors = read_weights(path / STATE_NAME)
+    from zoomkv.adapters.base import build_adapter_modules
+    from zoomkv.adapters.weights import load_into
+
+    modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]))
+    load_into(modules, tensors, source=str(path / STATE_NAME))
+    return ZoomAdapter.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
+                                    fingerprint=meta["base_model"], budget=meta.get("budget"))
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, scores: dict[str, Any] | None = None,
+                      budget: str | int | float | None = None, overwrite: bool = False) -> Path:
+    """Checkpoint → adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``)."""
+    import dataclasses
+
+    adapter = load_checkpoint(checkpoint)
+    if budget is not None:
+        adapter.config = dataclasses.replace(adapter.config, budget=budget)
+    out = adapter.save_pretrained(out, scores=scores, overwrite=overwrite)
+    ZoomAdapter.from_pretrained(out)  # read back what was written: an export that cannot load is a bug
+    return out

@@ -1,0 +1,116 @@
+"""``adapter_config.json``: what an adapter is (method, hyper-parameters), what it was trained on (the base
+model's fingerprint and shape) and which format it is written in.
+
+The file is sorted JSON, so two exports of the same adapter are byte-identical and diff cleanly. The
+format version is checked before anything else is read: a newer format fails with a clear error instead
+of half-loading.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zoomkv.adapters.base import FINGERPRINT_KEYS, ModelShape
+from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError, AdapterVersionError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+CARD_NAME = "README.md"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+LIBRARY_NAME = "zoomkv"
+PEFT_TYPE = "ZOOMKV"  # the PeftType member zoomkv.adapters.peft_integration registers
+PEFT_WEIGHTS_PREFIX = "base_model.zoomkv_modules."  # how PEFT's save_pretrained names the module tensors
+
+# Keys PEFT writes into adapter_config.json (PeftConfig's own fields). A folder saved through PEFT's
+# save_pretrained carries them next to ours; they say nothing the zoomkv loader needs, so they are
+# accepted and dropped rather than rejected as unknown.
+PEFT_CONFIG_KEYS = frozenset({
+    "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+    "peft_version", "adapter_name",
+})
+
+
+def _toolkit_version() -> str:
+    from zoomkv import __version__
+
+    return __version__
+
+
+@dataclass
+class ZoomAdapterConfig:
+    method: str
+    hyper: dict[str, Any]
+    base_model: dict[str, Any]  # base_fingerprint(): name, revision and the FINGERPRINT_KEYS
+    shape: dict[str, Any]  # ModelShape.to_dict(): enough to rebuild the modules without the base model
+    budget: str | int | float | None = None  # the budget the adapter was trained / evaluated at
+    trainable_fraction: float | None = None  # adapter parameters / base model parameters
+    weights_sha256: str | None = None  # of adapter_model.safetensors, so silent bit rot is caught too
+    format_version: int = FORMAT_VERSION
+    toolkit_version: str = field(default_factory=_toolkit_version)
+    library_name: str = LIBRARY_NAME
+
+    def model_shape(self) -> ModelShape:
+        data = dict(self.shape)
+        data["layer_types"] = tuple(data.get("layer_types", ()))
+        try:
+            return ModelShape(**data)
+        except TypeError as err:
+            raise AdapterConfigError(f"adapter config: invalid 'shape' ({err})") from err
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        # PEFT's keys too, so `PeftModel.from_pretrained` reads a zoomkv export as it is (peft_integration).
+        peft = {"peft_type": PEFT_TYPE, "base_model_name_or_path": self.base_model.get("name")}
+        return json.dumps({**self.to_dict(), **peft}, sort_keys=True, indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "adapter config") -> ZoomAdapterConfig:
+        if not isinstance(data, dict):
+            raise AdapterConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        # The version first: a future format may rename every other field.
+        version = data.get("format_version")
+        if version is None:
+            raise AdapterConfigError(f"{source}: no 'format_version' (not a zoomkv adapter config?)")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise AdapterVersionError(
+                f"{source}: format_version {version!r} is not supported by zoomkv {_toolkit_version()} "
+                f"(it reads {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade zoomkv or re-export the adapter"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known - PEFT_CONFIG_KEYS)
+        if unknown:
+            raise AdapterConfigError(f"{source}: unknown field(s) {unknown}")
+        missing = sorted(k for k in ("method", "hyper", "base_model", "shape") if k not in data)
+        if missing:
+            raise AdapterConfigError(f"{source}: missing field(s) {missing}")
+        kinds: dict[str, tuple[type, ...]] = {
+            "method": (str,), "hyper": (dict,), "base_model": (dict,), "shape": (dict,),
+            "budget": (str, int, float, type(None)), "trainable_fraction": (int, float, type(None)),
+            "weights_sha256": (str, type(None)), "toolkit_version": (str,), "library_name": (str,),
+        }
+        for key, types in kinds.items():
+            if key in data and not isinstance(data[key], types):
+                raise AdapterConfigError(f"{source}: field {key!r} has type {type(data[key]).__name__}")
+        missing_fp = sorted(k for k in FINGERPRINT_KEYS if k not in data["base_model"])
+        if missing_fp:
+            raise AdapterConfigError(f"{source}: base_model fingerprint lacks {missing_fp}")
+        config = cls(**{k: v for k, v in data.items() if k in known})
+        config.model_shape()  # validates the shape now, not at the first use
+        return config
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ZoomAdapterConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise AdapterNotFoundError(f"no {CONFIG_NAME} at {path}")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise AdapterConfigError(f"{path}: not valid JSON ({err})") from err
+        return cls.from_dict(data, source=str(path))

@@ -1,0 +1,202 @@
+"""``ZoomAdapter``: a trained method's modules plus the config that says what they are and what they fit.
+
+    adapter = ZoomAdapter.from_pretrained("checkpoints/sekv-smollm2")   # or "user/name" on the Hub
+    cache = cache_from_adapter(model, adapter, budget=256)              # checks the base model, attaches
+    out = model.generate(**inputs, cache=cache)
+
+The modules are rebuilt from ``adapter_config.json`` through the method's registered builder
+(``build_adapter_modules``), then filled from ``adapter_model.safetensors``. Nothing is unpickled and no
+code from the folder runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoomkv.adapters.base import FINGERPRINT_KEYS, ModelShape, base_fingerprint, build_adapter_modules
+from zoomkv.adapters.config import (
+    CARD_NAME,
+    CONFIG_NAME,
+    PEFT_WEIGHTS_PREFIX,
+    WEIGHTS_NAME,
+    ZoomAdapterConfig,
+)
+from zoomkv.adapters.errors import AdapterConfigError, AdapterError, BaseModelMismatchError
+from zoomkv.adapters.weights import load_into, module_tensors, read_weights, sha256, tensors_to_bytes
+from zoomkv.errors import ConfigError
+
+
+def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Fields that make ``actual`` another base model than ``expected``: the structural keys, and the
+    revision when both record one. The name alone does not: a local copy of a Hub model is the same model."""
+    diff = [k for k in FINGERPRINT_KEYS if expected.get(k) != actual.get(k)]
+    if expected.get("revision") and actual.get("revision") and expected["revision"] != actual["revision"]:
+        diff.append("revision")
+    return diff
+
+
+class ZoomAdapter:
+    def __init__(self, config: ZoomAdapterConfig, modules: torch.nn.Module):
+        self.config = config
+        self.modules = modules
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in self.modules.parameters())
+        return f"ZoomAdapter(method={self.config.method!r}, base={self.config.base_model.get('name')!r}, params={n})"
+
+    # -- making one -------------------------------------------------------------------------------------
+    @classmethod
+    def initialise(cls, model: torch.nn.Module, method: str, hyper: dict[str, Any] | None = None, *,
+                   budget: str | int | float | None = None, name: str | None = None,
+                   revision: str | None = None) -> ZoomAdapter:
+        """A fresh adapter for ``model`` (the training loop's starting point)."""
+        hyper = dict(hyper or {})
+        shape = ModelShape.from_model(model)
+        modules = build_adapter_modules(method, shape, hyper)
+        return cls.from_modules(modules, method, hyper, shape=shape,
+                                fingerprint=base_fingerprint(model, name=name, revision=revision), budget=budget)
+
+    @classmethod
+    def from_modules(cls, modules: torch.nn.Module, method: str, hyper: dict[str, Any], *, shape: ModelShape,
+                     fingerprint: dict[str, Any], budget: str | int | float | None = None) -> ZoomAdapter:
+        trainable = sum(p.numel() for p in modules.parameters() if p.requires_grad)
+        fraction = trainable / shape.num_parameters if shape.num_parameters else None
+        config = ZoomAdapterConfig(method=method, hyper=dict(hyper), base_model=dict(fingerprint),
+                                   shape=shape.to_dict(), budget=budget, trainable_fraction=fraction)
+        try:  # through JSON now, so a hyper-parameter JSON cannot hold fails here and not at export
+            data = json.loads(config.to_json())
+        except (TypeError, ValueError) as err:
+            raise AdapterConfigError(f"{method} adapter: hyper-parameters must be JSON values ({err})") from err
+        return cls(ZoomAdapterConfig.from_dict(data, source=f"{method} adapter"), modules)
+
+    @classmethod
+    def from_config_and_tensors(cls, config: ZoomAdapterConfig, tensors: dict[str, torch.Tensor],
+                                source: str = "adapter") -> ZoomAdapter:
+        modules = build_adapter_modules(config.method, config.model_shape(), dict(config.hyper))
+        if tensors and all(k.startswith(PEFT_WEIGHTS_PREFIX) for k in tensors):  # saved by PeftModel
+            tensors = {k.removeprefix(PEFT_WEIGHTS_PREFIX): v for k, v in tensors.items()}
+        load_into(modules, tensors, source=source)
+        modules.eval()
+        return cls(config, modules)
+
+    # -- loading and saving -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
+                        token: str | bool | None = None, local_files_only: bool | None = None,
+                        model: torch.nn.Module | None = None) -> ZoomAdapter:
+        """Load from a folder or a Hub id (through the local Hub cache; offline: only the cache).
+        With ``model``, also check the adapter fits it."""
+        from zoomkv.adapters.hub import resolve_adapter
+
+        folder = resolve_adapter(name_or_path, revision=revision, token=token, local_files_only=local_files_only)
+        config = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME)
+        tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256)
+        adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
+        if model is not None:
+            adapter.check_base(model)
+        return adapter
+
+    def serialise(self, scores: dict[str, Any] | None = None) -> dict[str, bytes]:
+        """The folder's files, in write order (the config records the weights' checksum)."""
+        from zoomkv.adapters.card import render_card
+
+        weights = tensors_to_bytes(module_tensors(self.modules))
+        self.config = dataclasses.replace(self.config, weights_sha256=sha256(weights))
+        return {
+            WEIGHTS_NAME: weights,
+            CARD_NAME: render_card(self.config, scores).encode("utf-8"),
+            CONFIG_NAME: self.config.to_json().encode("utf-8"),
+        }
+
+    def save_pretrained(self, out: str | Path, *, scores: dict[str, Any] | None = None,
+                        overwrite: bool = False) -> Path:
+        from zoomkv.adapters.export import write_folder_atomically
+
+        return write_folder_atomically(out, self.serialise(scores), overwrite=overwrite)
+
+    def push_to_hub(self, repo_id: str, *, scores: dict[str, Any] | None = None, private: bool | None = None,
+                    token: str | None = None, revision: str | None = None, commit_message: str | None = None,
+                    endpoint: str | None = None) -> str:
+        import tempfile
+
+        from zoomkv.adapters.hub import push_folder
+
+        with tempfile.TemporaryDirectory(prefix="zoomkv-push-") as tmp:
+            folder = self.save_pretrained(Path(tmp) / "adapter", scores=scores)
+            return push_folder(folder, repo_id, private=private, token=token, revision=revision,
+                               commit_message=commit_message, endpoint=endpoint)
+
+    # -- using it ---------------------------------------------------------------------------------------
+    def check_base(self, model: Any, *, strict_name: bool = False) -> None:
+        """Raise ``BaseModelMismatchError`` unless ``model`` is the base model this adapter was trained on."""
+        expected = self.config.base_model
+        actual = base_fingerprint(model, revision=expected.get("revision") and _model_revision(model))
+        diff = fingerprint_diff(expected, actual)
+        if strict_name and expected.get("name") != actual.get("name"):
+            diff.append("name")
+        if diff:
+            raise BaseModelMismatchError(expected, actual, diff)
+        if expected.get("name") and actual.get("name") and expected["name"] != actual["name"]:
+            warnings.warn(f"adapter trained on {expected['name']!r}, loaded onto {actual['name']!r} "
+                          "(same architecture and sizes)", stacklevel=2)
+
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Check the base model, put the modules on its device and route its attention through zoomkv."""
+        from zoomkv.memory.cache import attach
+
+        self.check_base(model)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.modules.to(device)
+        model.zoomkv_adapter = self  # not a submodule: the model's own state_dict stays the base model's
+        return attach(model)
+
+    def make_method(self, **overrides: Any) -> Any:
+        """The KV method object with this adapter's hyper-parameters and modules.
+
+        Hyper-parameters that are fields of the method's config go to the method; the rest only size the
+        modules. The modules reach the method as ``get_method(name, adapter=modules)`` when its constructor
+        or config takes an ``adapter`` (sekv), else through ``method.attach_adapter(modules)``.
+        """
+        from zoomkv.methods import METHODS, get_method
+
+        name = self.config.method
+        if name not in METHODS:
+            raise ConfigError(f"adapter method {name!r} is not a registered KV method")
+        cls = METHODS[name]
+        fields = {f.name for f in dataclasses.fields(cls.config_class)}
+        kwargs = {k: v for k, v in self.config.hyper.items() if k in fields}
+        kwargs.update(overrides)
+        if "adapter" in inspect.signature(cls.__init__).parameters or "adapter" in fields:
+            return get_method(name, **kwargs, adapter=self.modules)  # e.g. sekv: SeKV(adapter=modules)
+        if hasattr(cls, "attach_adapter"):
+            method = get_method(name, **kwargs)
+            method.attach_adapter(self.modules)
+            return method
+        raise AdapterError(f"method {name!r} takes no adapter (no 'adapter' argument, attach_adapter() or field)")
+
+
+def _model_revision(model: Any) -> str | None:
+    config = getattr(model, "config", model)
+    return getattr(model, "zoomkv_revision", None) or getattr(config, "_commit_hash", None)
+
+
+def cache_from_adapter(model: torch.nn.Module, adapter: ZoomAdapter | str | Path,
+                       budget: str | int | float | None = None, *, tokenizer: Any = None,
+                       **method_overrides: Any) -> Any:
+    """A ``ZoomCache`` running the adapter's method with its modules (budget: the adapter's own when None).
+    The proposed ``ZoomCache.from_adapter`` classmethod is this function."""
+    from zoomkv.memory.cache import ZoomCache
+
+    if not isinstance(adapter, ZoomAdapter):
+        adapter = ZoomAdapter.from_pretrained(adapter)
+    adapter.attach(model)
+    if budget is None:
+        budget = adapter.config.budget
+    return ZoomCache(model, adapter.make_method(**method_overrides), budget, tokenizer=tokenizer)

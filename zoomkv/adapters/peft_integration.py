@@ -1,0 +1,234 @@
+"""The zoomkv adapter as a PEFT method: ``get_peft_model``, ``PeftModel.from_pretrained``,
+``save_pretrained`` and ``push_to_hub`` work on it.
+
+    from zoomkv.adapters.peft_integration import ZoomKVPeftConfig, cache_from_peft, register
+    register()                                            # idempotent; also done on import
+    peft_model = get_peft_model(model, ZoomKVPeftConfig.for_model(model, "sekv", hyper))
+    peft_model.save_pretrained("out")                     # adapter_config.json + adapter_model.safetensors
+    peft_model = PeftModel.from_pretrained(model, "out")  # or a folder written by `zoomkv export`
+    cache = cache_from_peft(peft_model, budget=256)
+    peft_model.generate(**inputs, cache=cache)
+
+What PEFT 0.21 really offers and where it does not fit (see ``register`` and ``ZoomKVTuner``):
+
+* ``peft.utils.register_peft_method(name=, config_cls=, model_cls=, prefix=)`` only accepts names that are
+  already members of the closed ``PeftType`` enum; third-party methods cannot register without a new
+  member. ``register`` adds ``PeftType.ZOOMKV`` to the enum (its three lookup tables), then calls
+  ``register_peft_method`` as documented. This is the one piece that relies on enum internals.
+* PEFT tuners inject by replacing target ``nn.Linear``/``Embedding`` layers and change the forward pass.
+  A zoomkv adapter changes neither: its modules are read by a KV method inside the cache's attention
+  function. So the tuner targets nothing; it holds the modules in a model-level ``ModuleDict``
+  (``zoomkv_modules``, keyed by adapter name, as VeRA keeps ``vera_A``) that PEFT's structural state-dict
+  code saves and loads, and the PeftModel's forward is the base model's. Generation goes through a
+  ``ZoomCache`` built by ``cache_from_peft``.
+* PEFT loads with ``load_state_dict(strict=False)``: a missing tensor would leave random weights in
+  place silently. ``ZoomKVTuner._remap_adapter_state_dict_for_load`` checks keys and shapes first and
+  raises the same errors as ``ZoomAdapter.from_pretrained``. PEFT falls back to ``torch.load`` for an
+  ``adapter_model.bin``; ``load_peft_adapter`` refuses such folders, so nothing is unpickled.
+
+One folder format serves both: ``zoomkv export`` writes ``peft_type: ZOOMKV`` into
+``adapter_config.json`` (PEFT reads it), and ``ZoomAdapter`` accepts PEFT's extra config keys and its
+``base_model.zoomkv_modules.`` weight-key prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftConfig, PeftModel
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.utils import PeftType
+
+from zoomkv.adapters.base import ModelShape, base_fingerprint, build_adapter_modules
+from zoomkv.adapters.config import (
+    FORMAT_VERSION,
+    LIBRARY_NAME,
+    PEFT_TYPE,
+    PEFT_WEIGHTS_PREFIX,
+    WEIGHTS_NAME,
+    ZoomAdapterConfig,
+)
+from zoomkv.adapters.errors import AdapterError, AdapterKeysError, AdapterShapeError, BaseModelMismatchError
+from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter, fingerprint_diff
+
+PEFT_NAME = "zoomkv"
+PEFT_TYPE_VALUE = PEFT_TYPE
+PREFIX = "zoomkv_"
+CONTAINER = "zoomkv_modules"
+CHECKPOINT_PREFIX = PEFT_WEIGHTS_PREFIX
+assert CHECKPOINT_PREFIX == f"base_model.{CONTAINER}."
+
+
+def _extend_peft_type() -> PeftType:
+    """Add ``ZOOMKV`` to PEFT's closed ``PeftType`` enum (str-valued), the way Enum creates members."""
+    if PEFT_TYPE_VALUE in PeftType.__members__:
+        return PeftType[PEFT_TYPE_VALUE]
+    member = str.__new__(PeftType, PEFT_TYPE_VALUE)
+    member._name_ = PEFT_TYPE_VALUE
+    member._value_ = PEFT_TYPE_VALUE
+    member.__objclass__ = PeftType
+    PeftType._member_map_[PEFT_TYPE_VALUE] = member
+    PeftType._value2member_map_[PEFT_TYPE_VALUE] = member
+    PeftType._member_names_.append(PEFT_TYPE_VALUE)
+    type.__setattr__(PeftType, PEFT_TYPE_VALUE, member)  # EnumType.__setattr__ refuses new members
+    assert PeftType(PEFT_TYPE_VALUE) is member and isinstance(member, enum.Enum)
+    return member
+
+
+@dataclass
+class ZoomKVPeftConfig(PeftConfig):
+    """PEFT's view of ``adapter_config.json``: the same fields as ``ZoomAdapterConfig`` plus PEFT's own."""
+
+    method: str = ""
+    hyper: dict[str, Any] = field(default_factory=dict)
+    base_model: dict[str, Any] = field(default_factory=dict)
+    shape: dict[str, Any] = field(default_factory=dict)
+    budget: str | int | float | None = None
+    trainable_fraction: float | None = None
+    weights_sha256: str | None = None
+    format_version: int = FORMAT_VERSION
+    toolkit_version: str = ""
+    library_name: str = LIBRARY_NAME
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PeftType[PEFT_TYPE_VALUE]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, method: str, hyper: dict[str, Any] | None = None, *,
+                  budget: str | int | float | None = None, name: str | None = None) -> ZoomKVPeftConfig:
+        """The config of a fresh adapter for ``model`` (what ``get_peft_model`` needs)."""
+        shape = ModelShape.from_model(model)
+        fingerprint = base_fingerprint(model, name=name)
+        return cls.from_zoom_config(ZoomAdapterConfig(method=method, hyper=dict(hyper or {}), base_model=fingerprint,
+                                                      shape=shape.to_dict(), budget=budget))
+
+    @classmethod
+    def from_zoom_config(cls, config: ZoomAdapterConfig) -> ZoomKVPeftConfig:
+        data = config.to_dict()
+        return cls(base_model_name_or_path=config.base_model.get("name"), **data)
+
+    def to_zoom_config(self) -> ZoomAdapterConfig:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(ZoomAdapterConfig)}
+        data["weights_sha256"] = None  # PEFT writes the weights itself, after this config
+        return ZoomAdapterConfig.from_dict(data, source="PEFT adapter config")
+
+
+class ZoomKVLayer(BaseTunerLayer):
+    """Never instantiated: the tuner wraps no layer. PEFT needs the class for its isinstance checks."""
+
+    adapter_layer_names = (CONTAINER,)
+
+
+class ZoomKVTuner(BaseTuner):
+    prefix = PREFIX
+    tuner_layer_cls = ZoomKVLayer
+
+    def inject_adapter(self, model: torch.nn.Module, adapter_name: str, autocast_adapter_dtype: bool = True,
+                       low_cpu_mem_usage: bool = False, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        config = self.peft_config[adapter_name]
+        zoom = config.to_zoom_config()
+        actual = base_fingerprint(model)
+        diff = fingerprint_diff(zoom.base_model, actual)
+        if diff:
+            raise BaseModelMismatchError(zoom.base_model, actual, diff)
+        modules = build_adapter_modules(zoom.method, zoom.model_shape(), dict(zoom.hyper))
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        for p in model.parameters():  # the base model is frozen: only the adapter trains
+            p.requires_grad_(False)
+        if CONTAINER not in self._modules:
+            # Created here, not in __init__: BaseTuner.__init__ resets the module (nn.Module.__init__) and
+            # then calls inject_adapter.
+            self.zoomkv_modules = torch.nn.ModuleDict()
+        self.zoomkv_modules[adapter_name] = modules.to(device)
+        if config.trainable_fraction is None and zoom.model_shape().num_parameters:
+            trainable = sum(p.numel() for p in modules.parameters() if p.requires_grad)
+            config.trainable_fraction = trainable / zoom.model_shape().num_parameters
+
+    def _create_and_replace(self, *args: Any, **kwargs: Any) -> None:
+        raise AdapterError("zoomkv adapters replace no layer (they act inside the KV cache)")
+
+    def _mark_only_adapters_as_trainable(self, model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+    def _prepare_adapter_config(self, peft_config: PeftConfig, model_config: dict) -> PeftConfig:
+        return peft_config
+
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        self.active_adapter = adapter_name
+
+    def disable_adapter_layers(self) -> None:
+        raise AdapterError("a zoomkv adapter is disabled by generating without its cache (plain ZoomCache/method)")
+
+    def enable_adapter_layers(self) -> None:
+        pass
+
+    def modules_for(self, adapter_name: str | None = None) -> torch.nn.Module:
+        name = adapter_name or (self.active_adapter if isinstance(self.active_adapter, str) else self.active_adapter[0])
+        return self.zoomkv_modules[name]
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        return key.replace(f"{CONTAINER}.{adapter_name}.", f"{CONTAINER}.", 1)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model: torch.nn.Module, config: PeftConfig, adapter_name: str,
+                                           state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint keys → model keys, strictly. Accepts PEFT's keys (``base_model.zoomkv_modules.x``) and a
+        zoomkv export's plain module keys (``x``)."""
+        tuner = getattr(model, "base_model", model)
+        own = tuner.zoomkv_modules[adapter_name].state_dict()
+        prefix = CHECKPOINT_PREFIX if any(k.startswith(CHECKPOINT_PREFIX) for k in state_dict) else ""
+        plain = {k.removeprefix(prefix): v for k, v in state_dict.items() if not prefix or k.startswith(prefix)}
+        missing = sorted(set(own) - set(plain))
+        unexpected = sorted(set(plain) - set(own))
+        if missing or unexpected:
+            raise AdapterKeysError(f"PEFT adapter {adapter_name!r}: missing {missing}, unexpected {unexpected}")
+        wrong = [f"{k}: file {tuple(v.shape)} vs modules {tuple(own[k].shape)}" for k, v in plain.items()
+                 if tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            raise AdapterShapeError(f"PEFT adapter {adapter_name!r}: wrong shape(s): {'; '.join(wrong)}")
+        return {f"base_model.{CONTAINER}.{adapter_name}.{k}": v for k, v in plain.items()}
+
+
+def register() -> None:
+    """Make ``zoomkv`` a PEFT method (idempotent)."""
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+    from peft.utils import register_peft_method
+
+    peft_type = _extend_peft_type()
+    if PEFT_TYPE_TO_TUNER_MAPPING.get(peft_type) is ZoomKVTuner:
+        return
+    register_peft_method(name=PEFT_NAME, config_cls=ZoomKVPeftConfig, model_cls=ZoomKVTuner, prefix=PREFIX)
+
+
+def adapter_from_peft(peft_model: PeftModel, adapter_name: str | None = None) -> ZoomAdapter:
+    name = adapter_name or peft_model.active_adapter
+    config = peft_model.peft_config[name]
+    if not isinstance(config, ZoomKVPeftConfig):
+        raise AdapterError(f"PEFT adapter {name!r} is a {type(config).__name__}, not a zoomkv adapter")
+    return ZoomAdapter(config.to_zoom_config(), peft_model.base_model.modules_for(name))
+
+
+def cache_from_peft(peft_model: PeftModel, budget: str | int | float | None = None, *,
+                    adapter_name: str | None = None, tokenizer: Any = None, **method_overrides: Any) -> Any:
+    """A ``ZoomCache`` for ``peft_model.generate`` running the active zoomkv adapter."""
+    adapter = adapter_from_peft(peft_model, adapter_name)
+    return cache_from_adapter(peft_model.get_base_model(), adapter, budget, tokenizer=tokenizer, **method_overrides)
+
+
+def load_peft_adapter(model: torch.nn.Module, folder: str | Path, **kwargs: Any) -> PeftModel:
+    """``PeftModel.from_pretrained`` for a local zoomkv adapter folder, refusing pickled weights."""
+    folder = Path(folder)
+    if folder.is_dir() and not (folder / WEIGHTS_NAME).is_file():
+        raise AdapterError(f"{folder}: no {WEIGHTS_NAME} (pickled adapter_model.bin files are never loaded)")
+    return PeftModel.from_pretrained(model, str(folder), **kwargs)
+
+
+register()

@@ -1,0 +1,76 @@
+"""Adapter weights as safetensors: tensors and a JSON header, nothing that executes on load.
+
+Reading is strict: a truncated or corrupt file, a checksum that does not match the config, tensors the
+method's modules lack or need, and shapes other than the modules' are each a distinct error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from zoomkv.adapters.errors import (
+    AdapterKeysError,
+    AdapterNotFoundError,
+    AdapterShapeError,
+    AdapterWeightsError,
+)
+
+
+def module_tensors(modules: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Cloned and contiguous on the CPU: safetensors refuses tensors that share storage (tied weights)
+    # and views, and the file must not depend on the device the adapter was trained on.
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in modules.state_dict().items()}
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    # Only the one conventional metadata key: safetensors writes metadata in hash-map order, so two keys
+    # would make two exports of the same adapter differ byte-wise (and in their checksum).
+    return st_save(tensors, metadata={"format": "pt"})
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_weights(path: str | Path, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise AdapterNotFoundError(f"no adapter weights at {path}")
+    data = path.read_bytes()
+    if expected_sha256 is not None and sha256(data) != expected_sha256:
+        raise AdapterWeightsError(
+            f"{path}: checksum mismatch (the file is corrupt or truncated, or not the one its config describes)"
+        )
+    try:
+        # From bytes, not load_file: the checksum above and the parse read the very same bytes.
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as err:
+        raise AdapterWeightsError(f"{path}: not a readable safetensors file (corrupt or truncated: {err})") from err
+
+
+def load_into(modules: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "adapter weights") -> None:
+    """Copy ``tensors`` into ``modules`` after checking the key set and every shape (strictly)."""
+    expected = modules.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        raise AdapterKeysError(f"{source}: tensors do not match the method's modules: {'; '.join(parts)}")
+    wrong = [
+        f"{k}: file {tuple(tensors[k].shape)} vs modules {tuple(v.shape)}"
+        for k, v in expected.items()
+        if tuple(tensors[k].shape) != tuple(v.shape)
+    ]
+    if wrong:
+        raise AdapterShapeError(f"{source}: wrong shape(s): {'; '.join(wrong)}")
+    modules.load_state_dict(tensors, strict=True)
