@@ -1,0 +1,111 @@
+"""Every metric against values worked out by hand (scores are on a 0-100 scale)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zoomkv.errors import ZoomKVError
+from zoomkv.eval.metrics import (
+    classification,
+    clean_prediction,
+    code_sim,
+    count,
+    exact_number,
+    extract_final_number,
+    normalize_answer,
+    qa_f1,
+    qa_f1_zh,
+    retrieval,
+    retrieval_zh,
+    rouge_l,
+    score,
+    string_match_all,
+    string_match_part,
+)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The Cat!", "cat"),                        # lowercase, punctuation, article
+    ("An apple, a day.", "apple day"),          # every article goes, commas and full stop too
+    ("the-end", "theend"),                      # punctuation goes first, so no article is left to remove
+    ("anthem theatre", "anthem theatre"),       # articles only as whole words
+    ("  hello \n\t world  ", "hello world"),    # whitespace collapses
+    ("A", ""),
+])
+def test_normalize_answer_quirks(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_qa_f1_by_hand():
+    # pred tokens [cat, sat, on, mat], gold [cat, on, mat]: P = 3/4, R = 1, F1 = 6/7
+    assert qa_f1("the cat sat on the mat", ["a cat on a mat"]) == pytest.approx(100 * 6 / 7)
+    # repeated tokens count once per occurrence in both: P = 1/2, R = 1, F1 = 2/3
+    assert qa_f1("cat cat", ["cat"]) == pytest.approx(100 * 2 / 3)
+    # the best of several references
+    assert qa_f1("Paris", ["London", "paris."]) == 100.0
+    assert qa_f1("", ["x"]) == 0.0
+    assert qa_f1("the", ["a"]) == 0.0  # both normalise to nothing
+
+
+def test_rouge_l_by_hand():
+    # LCS of [the cat sat on the mat] and [the cat on the mat] is 5: P = 5/6, R = 1, F = 10/11
+    assert rouge_l("The cat sat on the mat.", ["the cat on the mat"]) == pytest.approx(100 * 10 / 11)
+    # reversed order: LCS 1 of 4 both ways
+    assert rouge_l("a b c d", ["d c b a"]) == pytest.approx(25.0)
+    assert rouge_l("", ["a"]) == 0.0
+
+
+def test_classification_splits_credit_and_ignores_substring_labels():
+    classes = ["NUM:date", "NUM", "LOC"]
+    assert classification("NUM:date", ["NUM:date"], all_classes=classes) == 100.0  # NUM is inside the answer
+    assert classification("LOC or NUM:date", ["NUM:date"], all_classes=classes) == 50.0
+    assert classification("LOC", ["NUM:date"], all_classes=classes) == 0.0
+    with pytest.raises(ZoomKVError):
+        classification("LOC", ["LOC"], all_classes=None)
+
+
+def test_retrieval_and_count():
+    assert retrieval("Paragraph 7", ["Paragraph 7"]) == 100.0
+    assert retrieval("Paragraph 7 or Paragraph 12", ["Paragraph 7"]) == 50.0
+    assert retrieval("no idea", ["Paragraph 7"]) == 0.0
+    assert retrieval_zh("段落3", ["段落3"]) == 100.0
+    assert count("There are 12 unique paragraphs, not 13", ["12"]) == 50.0
+    assert count("12", ["12"]) == 100.0
+
+
+def test_code_sim_takes_first_code_line():
+    assert code_sim("```python\nx = foo(1)\n```", ["x = foo(1)"]) == 100.0
+    # "return a+b" vs "return a + b": 10 matching characters of 10 + 12 → 2·10/22
+    assert code_sim("# add them\nreturn a+b", ["return a + b"]) == pytest.approx(100 * 20 / 22)
+    assert code_sim("// only comments", ["x"]) == 0.0
+
+
+def test_ruler_string_match():
+    pred = "The numbers are 123 and 456."
+    assert string_match_all(pred, ["123", "456", "789"]) == pytest.approx(200 / 3)
+    assert string_match_part(pred, ["123", "789"]) == 100.0
+    assert string_match_part(pred, ["789"]) == 0.0
+    assert string_match_all("ABC-def", ["abc", "DEF"]) == 100.0  # case-insensitive
+    assert clean_prediction("\x00 42\x01") == "42"
+
+
+def test_exact_number():
+    assert exact_number("So 5 + 3 = 8. The answer is 1,234.", ["1234"]) == 100.0
+    assert exact_number("The answer is $18.00", ["18"]) == 100.0
+    assert exact_number("she has 5 + 3 = 8 apples", ["8"]) == 100.0  # no marker: the last number
+    assert exact_number("The answer is 7", ["8"]) == 0.0
+    assert exact_number("nothing numeric", ["8"]) == 0.0
+    # a many-shot model writing on into the next example is cut at "Question:"
+    assert extract_final_number("It is 7.\n\nQuestion: what is 9 + 1?") == 7.0
+    assert extract_final_number("#### -3") == -3.0
+
+
+def test_chinese_f1_uses_characters():
+    # 北京大学 vs 北京: 2 common characters, P = 2/4, R = 1, F1 = 2/3
+    assert qa_f1_zh("北京大学。", ["北京"]) == pytest.approx(100 * 2 / 3)
+
+
+def test_score_dispatch():
+    assert score("qa_f1", "Paris", ["paris"]) == 100.0
+    with pytest.raises(ZoomKVError, match="valid metrics"):
+        score("bleu", "a", ["a"])

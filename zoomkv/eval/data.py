@@ -1,0 +1,58 @@
+"""``--data [NAME=]FILE.jsonl``: the user's tasks, in LongBench, plain or GSM8K format (told apart by
+the first record's fields unless ``--data-format`` says)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from zoomkv.errors import ZoomKVError
+from zoomkv.eval.jsonl import DataFileError, read_jsonl
+from zoomkv.eval.longbench import LongBenchTask, Record, longbench_record, plain_record
+from zoomkv.eval.manyshot import ManyShotTask, parse_problem
+from zoomkv.eval.sample import PromptFormat, Sample
+
+FORMATS = ("auto", "longbench", "plain", "gsm8k")
+
+
+class DataTask(Protocol):
+    name: str
+    source: str
+
+    @property
+    def size(self) -> int: ...
+
+    def build(self, fmt: PromptFormat, length: int, index: int, *, model_max: int, seed: int = 0) -> Sample: ...
+
+
+def detect_format(path: Path, line: int, obj: dict[str, Any]) -> str:
+    if "prompt" in obj:
+        return "plain"
+    if "context" in obj and "input" in obj:
+        return "longbench"
+    if "question" in obj and "answer" in obj:
+        return "gsm8k"
+    raise DataFileError(path, line, f"cannot tell the format from the fields {sorted(obj)}: LongBench needs "
+                        "input/context/answers, plain needs prompt/answers, GSM8K needs question/answer")
+
+
+def load_data(spec: str, fmt: str = "auto") -> list[DataTask]:
+    """The tasks in one ``[NAME=]FILE``: a LongBench file may hold several datasets (one task each)."""
+    if fmt not in FORMATS:
+        raise ZoomKVError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
+    name, sep, file = spec.partition("=")
+    if not sep or Path(spec).expanduser().is_file():  # a path that itself contains '=' stays a path
+        name, file = "", spec
+    path = Path(file).expanduser()
+    records = read_jsonl(path)
+    kind = fmt if fmt != "auto" else detect_format(path, *records[0])
+    default = name or path.stem
+    if kind == "gsm8k":
+        problems = [parse_problem(path, line, obj) for line, obj in records]
+        return [ManyShotTask(name or f"manyshot_{path.stem}", str(path), problems)]
+    parse = longbench_record if kind == "longbench" else plain_record
+    groups: dict[str, list[Record]] = {}
+    for line, obj in records:
+        task, record = parse(path, line, obj, default)
+        groups.setdefault(name or task, []).append(record)
+    return [LongBenchTask(task, str(path), recs) for task, recs in groups.items()]

@@ -1,0 +1,250 @@
+"""The evaluation loop: every method × budget × task × length × sample, one prefill per prompt batch.
+
+For each batch of prompts the model prefills once (``generate_methods``) and every configuration still
+missing a row decodes from that shared prefill; its rows (score, bytes per tier, timings) are appended
+to ``rows.jsonl`` before the next batch starts. Everything is validated before the model loads, so a
+typo costs a second, not a prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoomkv.budget import Budget
+from zoomkv.errors import ZoomKVError
+from zoomkv.eval.data import DataTask, load_data
+from zoomkv.eval.haystack import Haystack, essay_haystack
+from zoomkv.eval.metrics import score
+from zoomkv.eval.rows import RowStore, row_key
+from zoomkv.eval.sample import PromptFormat, Sample
+from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names
+from zoomkv.generation import GenerationResult, MethodRun, generate_methods
+
+
+@dataclass
+class EvalConfig:
+    model: str
+    out: str | Path
+    methods: list[str] = field(default_factory=lambda: ["full"])
+    budgets: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    samples: int = 4
+    data: list[str] = field(default_factory=list)
+    data_format: str = "auto"
+    haystack_dir: str | None = None
+    grid_lengths: list[int] = field(default_factory=list)
+    grid_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    method_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    batch_size: int = 1
+    seed: int = 0
+    chat: bool | None = False
+    max_new_tokens: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    overwrite: bool = False
+    plots: bool = True
+    progress: bool = True
+    threads: int | None = None
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    budget: str | None
+    kwargs: dict[str, Any]
+    args: str  # the kwargs as text, part of a row's identity
+
+    def to_method_run(self) -> MethodRun:
+        return MethodRun(self.method, self.budget, dict(self.kwargs))
+
+
+@dataclass
+class Prepared:
+    runs: list[RunSpec]
+    data: list[DataTask]
+    essays: Haystack | None
+    groups: list[tuple[str, int, float | None, int]]  # task, length, grid depth, number of samples
+
+
+def _args_text(kwargs: dict[str, Any]) -> str:
+    return ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(kwargs.items()))
+
+
+def method_runs(cfg: EvalConfig) -> list[RunSpec]:
+    """``full`` (the reference, always first) plus every other method at every budget."""
+    from zoomkv.methods import get_method
+
+    methods = ["full"] + [m for m in dict.fromkeys(cfg.methods) if m != "full"]
+    unknown = sorted(set(cfg.method_args) - set(methods))
+    if unknown:
+        raise ZoomKVError(f"--method-args names method(s) {', '.join(unknown)} that are not in --methods")
+    budgets = [str(Budget.parse(b)) for b in dict.fromkeys(cfg.budgets)]
+    runs = []
+    for name in methods:
+        kwargs = cfg.method_args.get(name, {})
+        method = get_method(name, **kwargs)  # unknown names and hyper-parameters fail here
+        if not method.uses_budget:
+            runs.append(RunSpec(name, None, kwargs, _args_text(kwargs)))
+            continue
+        if not budgets:
+            raise ZoomKVError(f"method {name!r} needs a budget: give --budgets, e.g. --budgets 128,512")
+        for b in budgets:
+            parsed = Budget.parse(b)
+            if parsed is not None and parsed.rows is not None:
+                method.check_budget(parsed.rows)
+            runs.append(RunSpec(name, b, kwargs, _args_text(kwargs)))
+    return runs
+
+
+def prepare(cfg: EvalConfig) -> Prepared:
+    """Check everything that does not need the model; load data files and essays."""
+    if cfg.samples < 1:
+        raise ZoomKVError(f"--samples must be at least 1, got {cfg.samples}")
+    if cfg.batch_size < 1:
+        raise ZoomKVError(f"--batch-size must be at least 1, got {cfg.batch_size}")
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
+        raise ZoomKVError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
+    for n in [*cfg.lengths, *cfg.grid_lengths]:
+        if n < 1:
+            raise ZoomKVError(f"lengths must be positive token counts, got {n}")
+    for d in cfg.grid_depths:
+        if not 0.0 <= d <= 1.0:
+            raise ZoomKVError(f"--grid-depths are fractions of the context in [0, 1], got {d}")
+    check_task_names(cfg.tasks)
+    runs = method_runs(cfg)
+    data = [task for spec in cfg.data for task in load_data(spec, cfg.data_format)]
+    clash = sorted({t.name for t in data} & (set(SYNTHETIC_TASKS) | {GRID_TASK}))
+    if clash:
+        raise ZoomKVError(f"data task name(s) {', '.join(clash)} clash with built-in tasks; name them NAME=FILE")
+    if not cfg.tasks and not data and not cfg.grid_lengths:
+        raise ZoomKVError("nothing to evaluate: give --tasks, --data or --grid-lengths")
+    essays = essay_haystack(cfg.haystack_dir) if cfg.haystack_dir else None
+    groups: list[tuple[str, int, float | None, int]] = []
+    for length in cfg.lengths:
+        groups += [(t, length, None, cfg.samples) for t in cfg.tasks]
+        groups += [(t.name, length, None, min(cfg.samples, t.size)) for t in data]
+    for length in cfg.grid_lengths:
+        groups += [(GRID_TASK, length, round(d, 4), cfg.samples) for d in cfg.grid_depths]
+    return Prepared(runs, data, essays, groups)
+
+
+def check_lengths(cfg: EvalConfig, model_max: int, model_name: str) -> None:
+    """Synthetic prompts are built to their length exactly, so length + new tokens must fit the model
+    (data prompts are cut to fit instead)."""
+    checks = [(t, n) for t in cfg.tasks for n in cfg.lengths] + [(GRID_TASK, n) for n in cfg.grid_lengths]
+    for task, length in checks:
+        new = cfg.max_new_tokens or SYNTHETIC_TASKS.get(task, SYNTHETIC_TASKS["niah_single_1"]).max_new_tokens
+        if length + new > model_max:
+            raise ZoomKVError(
+                f"length {length} for {task} plus its {new} new tokens is over the maximum context of "
+                f"{model_name} ({model_max} tokens); use a length of at most {model_max - new}"
+            )
+
+
+def _row(sample: Sample, prompt_tokens: int, b: int, run: RunSpec, result: GenerationResult, batch: int,
+         cfg: EvalConfig, fmt: PromptFormat) -> dict[str, Any]:
+    """Row of sample ``b`` of a batch under one configuration."""
+    prediction = result.texts[b]
+    scored = prediction.lstrip("\n").split("\n")[0] if sample.first_line else prediction
+    mem = result.memory
+    return {
+        "method": run.method, "method_args": run.args, "budget": run.budget, "budget_rows": mem.budget,
+        "task": sample.task, "length": sample.length,
+        "depth": None if sample.depth is None else round(sample.depth, 4), "sample": sample.index,
+        "score": round(score(sample.metric, scored, sample.answers, sample.all_classes), 4), "metric": sample.metric,
+        # bytes are the batch's totals split evenly: every sequence of a batch holds the same rows
+        "device_bytes": mem.device_bytes // batch, "host_bytes": mem.host_bytes // batch,
+        "full_kv_bytes": mem.full_kv_bytes // batch,
+        "prefill_s": round(result.prefill_s, 4), "decode_ms_per_token": round(result.decode_ms_per_token, 3),
+        "prompt_tokens": prompt_tokens, "new_tokens": len(result.token_ids[b]), "batch_size": batch,
+        "haystack": sample.haystack, "chat": fmt.uses_chat(sample.chat),
+        "model": cfg.model, "prediction": prediction, "answers": sample.answers,
+    }
+
+
+def _probe_row(task: str, length: int, depth: float | None, index: int, run: RunSpec) -> dict[str, Any]:
+    return {"task": task, "length": length, "depth": depth, "sample": index, "method": run.method,
+            "method_args": run.args, "budget": run.budget}
+
+
+def _warm_up(model: Any, tokenizer: Any, runs: list[RunSpec]) -> None:
+    """One short run per configuration, so one-time initialisation is not timed as decoding."""
+    prompt = "The grass is green. The sky is blue. " * 12
+    with contextlib.suppress(Exception):  # only timing depends on it; real errors surface in the run
+        generate_methods(model, tokenizer, [prompt], [r.to_method_run() for r in runs], max_new_tokens=2, chat=False)
+
+
+def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """Run (or resume) the evaluation ``cfg`` describes; returns every row in ``cfg.out``."""
+    from zoomkv.eval.report import write_outputs
+    from zoomkv.generation import model_max_length
+
+    prep = prepare(cfg)
+    if cfg.threads is not None:
+        if cfg.threads < 1:
+            raise ZoomKVError(f"--threads must be at least 1, got {cfg.threads}")
+        torch.set_num_threads(cfg.threads)
+    if model is None:
+        from zoomkv.cli import _dtype, _resolve_device
+        from zoomkv.models import load_model
+
+        model, tokenizer = load_model(cfg.model, dtype=_dtype(cfg.dtype), device=_resolve_device(cfg.device))
+    model_max = model_max_length(model)
+    check_lengths(cfg, model_max, cfg.model)
+    for run in prep.runs:
+        Budget.parse(run.budget, max_rows=model_max)
+    fmt = PromptFormat(tokenizer, cfg.chat)
+    torch.manual_seed(cfg.seed)
+    identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
+                "max_new_tokens": cfg.max_new_tokens, "haystack_dir": cfg.haystack_dir}
+    store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
+    builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
+
+    batches = [(task, length, depth, list(range(start, min(start + cfg.batch_size, count))))
+               for task, length, depth, count in prep.groups for start in range(0, count, cfg.batch_size)]
+    todo = [b for b in batches if any(not store.has(row_key(_probe_row(b[0], b[1], b[2], i, r)))
+                                      for i in b[3] for r in prep.runs)]
+    # Build each group's first sample before any decoding: a length too short for a task's template
+    # fails now, not after an hour of other tasks. The samples are kept for the loop.
+    built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in todo if ix[0] == 0}
+    if todo:
+        _warm_up(model, tokenizer, prep.runs)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", disable=not cfg.progress,
+               desc="eval", dynamic_ncols=True)
+    try:
+        for task, length, depth, indices in todo:
+            bar.set_description(f"{task}@{length}" + (f" depth {depth:.2f}" if depth is not None else ""))
+            missing = [r for r in prep.runs
+                       if any(not store.has(row_key(_probe_row(task, length, depth, i, r))) for i in indices)]
+            samples = [built.pop((task, length, depth, i), None) or builder.build(task, length, i, depth)
+                       for i in indices]
+            texts = [fmt.sample_text(s) for s in samples]
+            new = cfg.max_new_tokens or max(s.max_new_tokens for s in samples)
+            results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
+                                       max_new_tokens=new, chat=False)
+            counts = [fmt.count(t) for t in texts]
+            rows = [_row(s, counts[b], b, run, res, len(samples), cfg, fmt)
+                    for run, res in zip(missing, results, strict=True) for b, s in enumerate(samples)]
+            store.append(rows)
+            full = [r["score"] for r in rows if r["method"] == "full"]
+            if full:
+                bar.set_postfix(full=f"{sum(full) / len(full):.0f}")
+            bar.update(1)
+    finally:
+        bar.close()
+    header = {"model": cfg.model, "command": cfg.command, "chat": fmt.chat, "seed": cfg.seed,
+              "samples": cfg.samples, "lengths": ",".join(map(str, cfg.lengths)), "batch_size": cfg.batch_size,
+              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}}
+    write_outputs(store.rows, store.out, header, cfg.methods, plots=cfg.plots)
+    return store.rows

@@ -1,0 +1,200 @@
+"""LongBench-format files (``input, context, answers, all_classes, length, dataset``) and the plain
+format for the user's own tasks, scored with LongBench's metric for each dataset.
+
+The instructions around each dataset's context are zoomkv's own wording of what each LongBench task
+asks; the metric, the generation length, the first-line rule of the few-shot tasks and the choice to
+skip the chat template for few-shot and code tasks follow LongBench. A context longer than the limit is
+cut in its middle, keeping both ends, as LongBench does (LongBench cuts the whole prompt; cutting the
+context keeps the instruction and question whole, which is the same whenever they are short).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zoomkv.errors import ZoomKVError
+from zoomkv.eval.jsonl import DataFileError, require, string_list
+from zoomkv.eval.metrics import METRICS
+from zoomkv.eval.sample import PromptFormat, Sample
+
+_QA = ("Read the text below and answer the question after it as briefly as you can.\n\nText:\n",
+       "\n\nQuestion: {input}\nGive only the answer, no other words.", "\nAnswer:")
+_QA_MULTI = ("Answer the question after the passages below. Give only the answer, no other words.\n\n",
+             "\n\nQuestion: {input}\nGive only the answer, no other words.", "\nAnswer:")
+_QA_ZH = ("阅读下面的文字，然后简短地回答后面的问题，只给出答案。\n\n", "\n\n问题：{input}", "\n回答：")
+_CODE = ("Complete the code below.\n", "{input}", "Next line of code:\n")
+
+# template (head, tail, answer prefix) per kind; "{input}" is the record's input field
+TEMPLATES: dict[str, tuple[str, str, str]] = {
+    "qa": _QA,
+    "qa_multi": _QA_MULTI,
+    "qa_zh": _QA_ZH,
+    "report": ("Below is a report.\n\n", "\n\nWrite a one-page summary of the report above.", "\nSummary:"),
+    "news": ("Below are several news articles.\n\n", "\n\nWrite a one-page summary of all the news above.",
+             "\nSummary:"),
+    "meeting": ("Below is a meeting transcript.\n\n", "\n\nQuery: {input}\nAnswer the query in a few sentences.",
+                "\nAnswer:"),
+    "meeting_zh": ("下面是一段会议记录。\n\n", "\n\n请用一段话总结上面的会议。", "\n总结："),
+    "trec": ("Decide the type of the last question; the examples below show the types.\n\n", "\n{input}", ""),
+    "triviaqa": ("Answer the last question the way the examples below are answered.\n\n", "\n\n{input}", ""),
+    "samsum": ("Summarise the last dialogue the way the examples below are summarised.\n\n", "\n\n{input}", ""),
+    "lsht": ("判断最后一则新闻的类别，下面是一些例子。\n\n", "\n{input}", ""),
+    "count": ("Below are paragraphs, some of them repeated. Count how many distinct paragraphs there are.\n\n",
+              "\n\nHow many distinct paragraphs are there above? Reply with the number only.",
+              "\nThe number of distinct paragraphs is:"),
+    "retrieval": ("Below are paragraphs, then a summary of one of them.\n\n",
+                  "\n\nSummary: {input}\n\nWhich paragraph is the summary taken from? Reply like \"Paragraph 1\".",
+                  "\nThe answer is: "),
+    "retrieval_zh": ("下面是一些段落，以及其中一段的摘要。\n\n", "\n\n摘要：{input}\n\n这段摘要出自哪一段？请按\"段落1\"的格式回答。",
+                     "\n答案是："),
+    "code": _CODE,
+}
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    metric: str
+    max_new_tokens: int
+    template: str
+    chat: bool = True  # LongBench prompts its few-shot and code tasks without the chat template
+    first_line: bool = False  # and scores only the first line of a few-shot reply
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    **{name: DatasetInfo("qa_f1", n, "qa") for name, n in
+       (("narrativeqa", 128), ("qasper", 128), ("multifieldqa_en", 64))},
+    **{name: DatasetInfo("qa_f1", 32, "qa_multi") for name in ("hotpotqa", "2wikimqa", "musique")},
+    "multifieldqa_zh": DatasetInfo("qa_f1_zh", 64, "qa_zh"),
+    "dureader": DatasetInfo("rouge_l_zh", 128, "qa_zh"),
+    "gov_report": DatasetInfo("rouge_l", 512, "report"),
+    "qmsum": DatasetInfo("rouge_l", 512, "meeting"),
+    "multi_news": DatasetInfo("rouge_l", 512, "news"),
+    "vcsum": DatasetInfo("rouge_l_zh", 512, "meeting_zh"),
+    "trec": DatasetInfo("classification", 64, "trec", chat=False, first_line=True),
+    "triviaqa": DatasetInfo("qa_f1", 32, "triviaqa", chat=False, first_line=True),
+    "samsum": DatasetInfo("rouge_l", 128, "samsum", chat=False, first_line=True),
+    "lsht": DatasetInfo("classification", 64, "lsht", chat=False, first_line=True),
+    "passage_count": DatasetInfo("count", 32, "count"),
+    "passage_retrieval_en": DatasetInfo("retrieval", 32, "retrieval"),
+    "passage_retrieval_zh": DatasetInfo("retrieval_zh", 32, "retrieval_zh"),
+    "lcc": DatasetInfo("code_sim", 64, "code", chat=False),
+    "repobench-p": DatasetInfo("code_sim", 64, "code", chat=False),
+}
+
+
+@dataclass
+class Record:
+    head: str
+    context: str  # the part cut in the middle when the prompt is too long
+    tail: str
+    answer_prefix: str
+    answers: list[str]
+    metric: str
+    max_new_tokens: int
+    all_classes: list[str] | None = None
+    chat: bool | None = None
+    first_line: bool = False
+    line: int = 0
+
+
+def middle_truncate(fmt: PromptFormat, rec: Record, limit: int, what: str) -> tuple[str, bool]:
+    """``rec.context`` cut in the middle so the whole rendered prompt fits in ``limit`` tokens."""
+    def size(context: str) -> int:
+        return fmt.measure(rec.head + context + rec.tail, rec.answer_prefix, rec.chat)
+
+    total = size(rec.context)
+    if total <= limit:
+        return rec.context, False
+    overhead = size("")
+    if overhead >= limit:
+        raise ZoomKVError(f"{what}: its instruction and question alone take {overhead} tokens, over the "
+                          f"limit of {limit}")
+    ids = fmt.tokenizer(rec.context, add_special_tokens=False)["input_ids"]
+    keep = max(0, len(ids) - (total - limit))
+    for _ in range(8):  # re-tokenising at the cut can merge differently; shrink until it fits
+        half = keep // 2
+        context = fmt.tokenizer.decode(ids[:half]) + fmt.tokenizer.decode(ids[len(ids) - (keep - half):])
+        over = size(context) - limit
+        if over <= 0:
+            return context, True
+        keep = max(0, keep - over)
+    return "", True
+
+
+class LongBenchTask:
+    """One dataset's records from a LongBench-format or plain JSONL file."""
+
+    def __init__(self, name: str, source: str, records: list[Record]):
+        self.name, self.source, self.records = name, source, records
+
+    @property
+    def size(self) -> int:
+        return len(self.records)
+
+    def build(self, fmt: PromptFormat, length: int, index: int, *, model_max: int, seed: int = 0) -> Sample:
+        rec = self.records[index]
+        limit = min(length, model_max - rec.max_new_tokens)
+        context, cut = middle_truncate(fmt, rec, limit, f"{self.source}:{rec.line}")
+        return Sample(
+            task=self.name, length=length, index=index, prompt=rec.head + context + rec.tail,
+            answer_prefix=rec.answer_prefix, answers=rec.answers, metric=rec.metric,
+            max_new_tokens=rec.max_new_tokens, all_classes=rec.all_classes, chat=rec.chat,
+            first_line=rec.first_line, haystack="data", meta={"truncated": cut, "line": rec.line},
+        )
+
+
+def dataset_info(path: Path, line: int, name: str) -> DatasetInfo:
+    info = DATASETS.get(name) or DATASETS.get(name.removesuffix("_e"))  # LongBench-E names end in _e
+    if info is None:
+        raise DataFileError(path, line, f"unknown LongBench dataset {name!r}; known: {', '.join(DATASETS)} "
+                            "(give a 'metric' field, or use the plain format, for other tasks)")
+    return info
+
+
+def _count_field(path: Path, line: int, obj: dict[str, Any], name: str, default: int) -> int:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DataFileError(path, line, f"field {name!r} should be a positive whole number, got {value!r}")
+    return value
+
+
+def longbench_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
+    require(path, line, obj, {"input": (str,), "context": (str,), "answers": (list, str)}, "LongBench")
+    name = str(obj.get("dataset") or default_name)
+    answers = string_list(path, line, obj["answers"], "answers")
+    classes = obj.get("all_classes")
+    if "metric" in obj:
+        info = DatasetInfo(str(obj["metric"]), _count_field(path, line, obj, "max_new_tokens", 64), "qa")
+    else:
+        info = dataset_info(path, line, name)
+    if info.metric not in METRICS:
+        raise DataFileError(path, line, f"unknown metric {info.metric!r}; valid: {', '.join(METRICS)}")
+    if info.metric == "classification" and not classes:
+        raise DataFileError(path, line, "missing field 'all_classes' (the classification metric needs it)")
+    head, tail, prefix = TEMPLATES[info.template]
+    return name, Record(head, obj["context"], tail.replace("{input}", obj["input"]), prefix, answers,
+                        info.metric, info.max_new_tokens, classes, None if info.chat else False,
+                        info.first_line, line)
+
+
+def plain_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
+    """``{"prompt", "answers", [context, answer_prefix, metric, task, max_new_tokens, all_classes, chat]}``:
+    the context (cut in its middle when too long) comes first, then the prompt."""
+    require(path, line, obj, {"prompt": (str,), "answers": (list, str)}, "plain")
+    metric = str(obj.get("metric", "qa_f1"))
+    if metric not in METRICS:
+        raise DataFileError(path, line, f"unknown metric {metric!r}; valid: {', '.join(METRICS)}")
+    context = obj.get("context", "")
+    if not isinstance(context, str):
+        raise DataFileError(path, line, "field 'context' should be a string")
+    chat = obj.get("chat")
+    record = Record(
+        "", context, ("\n\n" if context else "") + obj["prompt"], str(obj.get("answer_prefix", "")),
+        string_list(path, line, obj["answers"], "answers"), metric, _count_field(path, line, obj, "max_new_tokens", 64),
+        obj.get("all_classes"), chat if isinstance(chat, bool) else None, bool(obj.get("first_line", False)), line,
+    )
+    if metric == "classification" and not record.all_classes:
+        raise DataFileError(path, line, "missing field 'all_classes' (the classification metric needs it)")
+    return str(obj.get("task") or default_name), record

@@ -1,0 +1,136 @@
+"""PNG plots of an evaluation: score vs budget per task, score vs device-tier bytes (the Pareto view),
+and a NIAH length × depth heatmap per method."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from zoomkv.eval.rows import GRID_TASK  # noqa: E402
+from zoomkv.eval.summary import _budget_order, config_label, task_order  # noqa: E402
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "x"
+
+
+def _mean_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    acc: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in rows:
+        acc[(config_label(r), r.get("budget") or "")].append(r["score"])
+    return {k: statistics.fmean(v) for k, v in acc.items()}
+
+
+def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> Path:
+    """Budgets on an evenly spaced categorical axis (they mix row counts and fractions); full as a line."""
+    subset = [r for r in rows if task is None or r["task"] == task]
+    means = _mean_scores(subset)
+    budgets = sorted({b for (_, b) in means if b}, key=_budget_order)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label in dict.fromkeys(lbl for (lbl, b) in means if b):
+        xs = [i for i, b in enumerate(budgets) if (label, b) in means]
+        ax.plot(xs, [means[(label, budgets[i])] for i in xs], marker="o", label=label)
+    for (label, b), value in means.items():
+        if not b:
+            ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{label} (reference)")
+    ax.set_xticks(range(len(budgets)), budgets)
+    ax.set_xlabel("budget (device rows per layer per KV head, or share of the prompt)")
+    ax.set_ylabel("score (0–100)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(f"score vs budget: {task or 'all tasks'}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"score_vs_budget_{_safe(task or 'all')}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def pareto(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Mean score over all rows against mean device-tier MiB per sequence; one line per method."""
+    points: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(config_label(r), r.get("budget") or "")].append(r)
+    for (label, budget), rs in groups.items():
+        mib = statistics.fmean(r["device_bytes"] for r in rs) / 2**20
+        points[label].append((mib, statistics.fmean(r["score"] for r in rs), budget))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in points.items():
+        pts.sort()
+        is_ref = all(not b for *_, b in pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if is_ref else "o",
+                markersize=12 if is_ref else 6, linestyle="" if is_ref else "-", label=label)
+        for x, y, b in pts:
+            if b:
+                ax.annotate(b, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("device-tier KV per sequence (MiB)")
+    ax.set_ylabel("mean score (0–100)")
+    ax.set_ylim(-3, 103)
+    ax.set_title("score vs device memory (up and left is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "pareto.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def niah_heatmaps(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """One PNG per method: a panel per budget, depth down, context length across, mean score in colour."""
+    grid = [r for r in rows if r["task"] == GRID_TASK]
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in grid:
+        by_method[config_label(r)].append(r)
+    paths = []
+    for label, rs in by_method.items():
+        budgets = sorted({r.get("budget") or "" for r in rs}, key=_budget_order)
+        lengths = sorted({r["length"] for r in rs})
+        depths = sorted({round(float(r["depth"]), 4) for r in rs})
+        size = (1.5 + (0.6 + 0.8 * len(lengths)) * len(budgets), 1.6 + 0.4 * len(depths))
+        fig, axes = plt.subplots(1, len(budgets), figsize=size, squeeze=False, layout="constrained")
+        for ax, budget in zip(axes[0], budgets, strict=True):
+            cells: dict[tuple[float, int], list[float]] = defaultdict(list)
+            for r in rs:
+                if (r.get("budget") or "") == budget:
+                    cells[(round(float(r["depth"]), 4), r["length"])].append(r["score"])
+            matrix = [[statistics.fmean(cells[(d, n)]) if cells.get((d, n)) else float("nan") for n in lengths]
+                      for d in depths]
+            image = ax.imshow(matrix, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+            for i, row in enumerate(matrix):
+                for j, v in enumerate(row):
+                    if v == v:  # not NaN
+                        ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+            ax.set_title(f"budget {budget}" if budget else "full KV", fontsize=9)
+            ax.set_xlabel("context length", fontsize=8)
+        axes[0][0].set_ylabel("needle depth", fontsize=8)
+        fig.colorbar(image, ax=list(axes[0]), shrink=0.8)
+        fig.suptitle(f"NIAH: {label}", fontsize=10)
+        path = out / f"niah_heatmap_{_safe(label)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_plots(rows: list[dict[str, Any]], out: str | Path) -> list[Path]:
+    out = Path(out)
+    if not rows:
+        return []
+    tasks = task_order(rows)
+    paths = [score_vs_budget(rows, out, t) for t in tasks]
+    if len(tasks) > 1:
+        paths.append(score_vs_budget(rows, out, None))
+    paths.append(pareto(rows, out))
+    paths += niah_heatmaps(rows, out)
+    return paths
