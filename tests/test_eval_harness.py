@@ -169,3 +169,13 @@ def test_bad_input(capsys, tmp_path):
     assert "needs a budget" in _err(capsys, [*base, "--methods", "snapkv"])
     assert "too short" in _err(capsys, [*base, "--tasks", "niah_multiquery", "--length", "300"])
     assert "--out" in _err(capsys, ["eval", "--model", "tiny-llama", "--quiet"])
+
+
+def test_method_variants_parse_and_refuse():
+    from zoomkv.eval.harness import split_variants
+
+    assert split_variants("quest+tail+int8") == ("quest", {"tail_summary": True, "kv_quant": "int8",
+                                                           "kv_quant_tiers": "host"})
+    assert split_variants("full+int4") == ("full", {"kv_quant": "int4", "kv_quant_tiers": "all"})
+    with pytest.raises(ZoomKVError, match=r"valid: \+tail, \+int8, \+int4"):
+        split_variants("quest+fp8")

@@ -58,13 +58,33 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class RunSpec:
-    method: str
+    method: str  # the label rows carry: a method name, optionally with variants ("quest+tail+int8")
     budget: str | None
     kwargs: dict[str, Any]
     args: str  # the kwargs as text, part of a row's identity
 
     def to_method_run(self) -> MethodRun:
-        return MethodRun(self.method, self.budget, dict(self.kwargs))
+        base, options = split_variants(self.method)
+        return MethodRun(base, self.budget, dict(self.kwargs), **options)
+
+
+# Runtime options any method label can carry: "+tail" (softmax-tail row, recallable methods), "+int8"/"+int4"
+# (KV quantization of the host tier; of the device tier for full, which has no host tier).
+VARIANTS = ("tail", "int8", "int4")
+
+
+def split_variants(label: str) -> tuple[str, dict[str, Any]]:
+    base, *variants = label.split("+")
+    options: dict[str, Any] = {}
+    for v in variants:
+        if v not in VARIANTS:
+            raise ZoomKVError(f"unknown method variant '+{v}' in {label!r}; valid: {', '.join('+' + x for x in VARIANTS)}")
+        if v == "tail":
+            options["tail_summary"] = True
+        else:
+            options["kv_quant"] = v
+            options["kv_quant_tiers"] = "all" if base == "full" else "host"
+    return base, options
 
 
 @dataclass
@@ -91,7 +111,10 @@ def method_runs(cfg: EvalConfig) -> list[RunSpec]:
     runs = []
     for name in methods:
         kwargs = cfg.method_args.get(name, {})
-        method = get_method(name, **kwargs)  # unknown names and hyper-parameters fail here
+        base, options = split_variants(name)
+        method = get_method(base, **kwargs)  # unknown names and hyper-parameters fail here
+        if options.get("tail_summary") and not method.recallable:
+            raise ZoomKVError(f"'+tail' needs a recallable method; {base!r} is not one")
         if not method.uses_budget:
             runs.append(RunSpec(name, None, kwargs, _args_text(kwargs)))
             continue
