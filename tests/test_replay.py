@@ -9,7 +9,7 @@ from zoomkv.methods import METHODS
 from zoomkv.models import load_model
 
 RUNS = [MethodRun("full")] + [
-    MethodRun(name, 40) for name, cls in sorted(METHODS.items())
+    MethodRun(name, max(40, cls().min_budget())) for name, cls in sorted(METHODS.items())
     if cls.uses_budget and not getattr(cls, "needs_profile", False)
 ]
 

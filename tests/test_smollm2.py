@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,7 +24,10 @@ pytestmark = [
 def smollm2():
     from zoomkv.models import load_model
 
-    return load_model("smollm2-135m")
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))  # real matmuls: use the cores
+    yield load_model("smollm2-135m")
+    torch.set_num_threads(before)
 
 
 def _greedy(model, inputs, cache=None, new=16):

@@ -125,6 +125,7 @@ class ZoomCache(Cache):
             )
         self.tokenizer = tokenizer
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
+        self.step_ids: torch.Tensor | None = None  # ids of the forward in progress: the prompt, then each token
         self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress
         self.model_name: str | None = getattr(model_or_config, "zoomkv_name", None) or getattr(
             config, "_name_or_path", None
@@ -214,10 +215,12 @@ _running = threading.local()  # the ZoomCache of the forward pass in progress
 def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     cache = next((kwargs.get(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
     _running.cache = cache if isinstance(cache, ZoomCache) else None
-    if not isinstance(cache, ZoomCache) or cache.get_seq_length() > 0:
+    if not isinstance(cache, ZoomCache):
         return
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    cache.prompt_ids = ids
+    cache.step_ids = ids
+    if cache.get_seq_length() == 0:
+        cache.prompt_ids = ids
 
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -39,13 +39,15 @@ def append_tail(memory, key: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def with_tail(memory, sel: Selection) -> Selection:
-    """``sel`` plus the tail row. The selected rows must be distinct original rows (recallable methods)."""
+    """``sel`` plus the tail row. Selected rows must be original rows or means of originals whose bias is
+    ``log(count)`` (merged rows), so the rest's sums are the totals minus what the selection covers."""
     tier = memory.device_tier
     keys, values = sel.keys.float(), sel.values.float()
     if sel.bias is not None:
-        real = torch.isfinite(sel.bias).to(keys.dtype)[..., None]  # padding rows are not in the sums
-        keys, values = keys * real, values * real
-        chosen = real.sum(2)  # [b, h, 1]
+        # A row with bias log n stands for n originals (merged rows); -inf (padding) for none.
+        weight = torch.exp(sel.bias.float()).nan_to_num(0.0)[..., None]
+        keys, values = keys * weight, values * weight
+        chosen = weight.sum(2)  # [b, h, 1]
     else:
         chosen = torch.full_like(tier["tail_count"], float(keys.shape[2]))
     rest = tier["tail_count"] - chosen

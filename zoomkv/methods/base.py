@@ -75,6 +75,7 @@ class KVMethod:
     uses_budget: ClassVar[bool] = True
     quantizable_device: ClassVar[bool] = False  # stores device rows through memory.device_rows_buffer
     needs_surprisal: ClassVar[bool] = False  # compress gets ctx.surprisal (computed after the last layer)
+    needs_profile: ClassVar[bool] = False  # needs an offline `zoomkv calibrate` profile (tested in its own file)
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):
         if config is None:

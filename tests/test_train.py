@@ -1,0 +1,115 @@
+"""The sekv trainer: recipe validation, the trainable-fraction limit, --dry-run, the loss going down on a
+tiny model, and a SIGKILLed run resuming to bitwise the same adapter as an uninterrupted one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zoomkv.errors import ConfigError
+from zoomkv.train.cli import main
+from zoomkv.train.config import load_recipe
+from zoomkv.train.loop import dry_run
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"
+SHIPPED = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", [p for p in SHIPPED if "accelerate" not in p.parts], ids=lambda p: p.name)
+def test_shipped_recipes_parse_and_say_how_to_run(recipe):
+    load_recipe(recipe)
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("# ") and "zoomkv.train" in first or "accelerate launch" in first
+
+
+def test_recipe_errors_name_the_key_and_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown recipe key 'lerning_rate'; valid keys: .*\blr\b"):
+        load_recipe(TINY, ["lerning_rate=0.1"])
+    with pytest.raises(ConfigError, match=r"'steps': expected int, got str"):
+        load_recipe(TINY, ["steps=many"])
+    with pytest.raises(ConfigError, match=r"'proj_dim'.*one of \['auto'\]"):
+        load_recipe(TINY, ["proj_dim=big"])
+    with pytest.raises(ConfigError, match=r"'init_adapter': file or folder not found"):
+        load_recipe(TINY, [f"init_adapter={tmp_path / 'missing'}"])
+    with pytest.raises(ConfigError, match=r"'tasks'.*valid: \['passkey', 'kv', 'vartrack'\]"):
+        load_recipe(TINY, ["tasks=passkey,poems"])
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny-llama\nlayers: [1, 2]\n")
+    with pytest.raises(ConfigError, match="flat YAML"):
+        load_recipe(bad)
+    assert load_recipe(TINY, ["lr=1"]).lr == 1.0  # an int where a float is expected is fine
+
+
+def test_dry_run_prints_the_fraction_last_without_weights(capsys):
+    assert main(["--recipe", str(ROOT / "recipes" / "llama-3-8b" / "sekv.yaml"), "--dry-run"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("trainable_fraction=")
+    assert 0 < float(last.split("=")[1]) < 0.0005
+
+
+def test_oversized_adapter_is_refused(capsys):
+    with pytest.raises(ConfigError, match="over max_trainable_fraction"):
+        dry_run(load_recipe(TINY, ["max_trainable_fraction=0.001", "proj_dim=8", "share_projector=false"]))
+    assert main(["--recipe", str(TINY), "--dry-run", "max_trainable_fraction=0.001", "proj_dim=8",
+                 "share_projector=false"]) == 2
+    assert "over max_trainable_fraction" in capsys.readouterr().err
+
+
+def _loss_decreases(cache: Path) -> None:
+    """On one cached sample, every layer, the full objective (budget penalty fully ramped in)."""
+    from zoomkv.adapters.sekv import SeKVAdapter
+    from zoomkv.methods.sekv import SeKVConfig
+    from zoomkv.train.loop import step_loss
+    from zoomkv.train.teacher import load_sample
+
+    cfg = load_recipe(TINY)
+    sample = load_sample(sorted(cache.glob("sample_*.safetensors"))[-1])
+    layers = sample["layers"].tolist()
+    adapter = SeKVAdapter(len(layers), 2, 16, proj_dim=4, share_projector=True)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.05)
+    losses = []
+    for _ in range(6):
+        loss, _ = step_loss(adapter, sample, layers, cfg, SeKVConfig(**cfg.method_kwargs()), step=10**6)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and losses[-1] < losses[1], losses
+
+
+def _run(tmp_path: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "zoomkv.train", "--recipe", str(TINY), f"output_dir={tmp_path / out}",
+            f"teacher_cache={tmp_path / 'teacher'}", "num_samples=2", "queries_per_sample=3", "steps=5",
+            "save_every=2", "layers_per_step=2", *extra]
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
+    full = _run(tmp_path, "a")
+    assert full.returncode == 0, full.stderr[-2000:]
+    assert "trainable parameters:" in full.stdout and "adapter saved to" in full.stdout
+    _loss_decreases(tmp_path / "teacher")
+    killed = _run(tmp_path, "b", "kill_at_step=3")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (tmp_path / "b" / "sekv-tiny" / "adapter").exists()
+    resumed = _run(tmp_path, "b", "resume=latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    a = load_file(str(tmp_path / "a" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(a["route_tau"], torch.full_like(a["route_tau"], -7.0))  # it did train
+    # adapter-only: nothing the size of the base model was written
+    ckpt = tmp_path / "a" / "sekv-tiny" / "checkpoints"
+    assert all(f.stat().st_size < 200_000 for f in ckpt.rglob("*") if f.is_file())
+    assert (ckpt / "step_000004" / "train_config.yaml").is_file()

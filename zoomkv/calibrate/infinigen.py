@@ -1,0 +1,101 @@
+"""``zoomkv calibrate infinigen --model M``: the skew matrices and partial channels InfiniGen needs.
+
+Runs the model once over calibration text (2048 tokens, as the authors do with one PG-19 book), records
+every full-attention layer's post-RoPE queries and keys, and writes per layer and KV head the orthogonal
+skew and the top 20% skewed channels (``zoomkv.methods._infinigen``) to
+``profile_dir(M)/infinigen.safetensors`` — a few KB per layer.
+
+The default text is Python's own help topics (``pydoc_data``, shipped with every CPython): plain English
+prose that needs no download. ``--text-file`` takes any other text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoomkv.errors import ZoomKVError
+from zoomkv.methods._infinigen import PROFILE_FILE, save_profile, skew_and_channels
+
+HELP = "InfiniGen: per-layer SVD skew of post-RoPE queries and the top fifth of the skewed channels"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    parser.add_argument("--tokens", type=int, default=2048, help="calibration tokens (authors: 2048)")
+    parser.add_argument("--text-file", default=None, help="calibration text (default: Python's help topics)")
+    parser.add_argument("--partial-ratio", type=float, default=0.2, help="fraction of channels kept (paper: 0.2)")
+    parser.add_argument("--output", default=None, help=f"file to write (default: the model's profile dir/{PROFILE_FILE})")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def calibration_ids(tokenizer: Any, text: str, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` tokens of ``text`` (``[1, n]``), tokenizing only as much text as needed."""
+    chars = tokens * 8  # generous: few tokenizers average more than 8 characters a token
+    while True:
+        ids = tokenizer(text[:chars], return_tensors="pt")["input_ids"]
+        if ids.shape[1] > tokens or chars >= len(text):
+            return ids[:, :tokens]
+        chars *= 2
+
+
+def build_profile(model: Any, input_ids: torch.Tensor, model_name: str, partial_ratio: float = 0.2,
+                  output: Path | None = None) -> Path:
+    """Record one prefill of ``input_ids`` (``[1, T]``) and write the profile; returns its path."""
+    from zoomkv.calibrate import profile_dir
+    from zoomkv.memory.replay import record_prefill
+
+    if not 0.0 < partial_ratio <= 1.0:
+        raise ZoomKVError(f"--partial-ratio must lie in (0, 1], got {partial_ratio}")
+    record = record_prefill(model, input_ids)
+    layers = {}
+    for i, ctx in sorted(record.contexts.items()):
+        layers[i] = skew_and_channels(ctx.queries[0].float().cpu(), ctx.keys[0].float().cpu(), partial_ratio)
+    if not layers:
+        raise ZoomKVError(f"{model_name} has no full-attention layer to calibrate")
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    meta = {
+        "model": model_name,
+        "model_type": str(getattr(text, "model_type", "")),
+        "num_hidden_layers": str(getattr(text, "num_hidden_layers", "")),
+        "partial_ratio": str(partial_ratio),
+        "tokens": str(input_ids.shape[1]),
+    }
+    path = output if output is not None else profile_dir(model_name) / PROFILE_FILE
+    return save_profile(path, layers, meta)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zoomkv.cli import _dtype, _resolve_device
+    from zoomkv.models import load_model
+
+    if args.tokens < 16:
+        raise ZoomKVError(f"--tokens must be at least 16, got {args.tokens}")
+    if args.text_file is not None:
+        path = Path(args.text_file)
+        if not path.is_file():
+            raise ZoomKVError(f"calibration text not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = default_text()
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    ids = calibration_ids(tokenizer, text, args.tokens).to(model.device)
+    if ids.shape[1] < args.tokens:
+        print(f"note: the calibration text has only {ids.shape[1]} tokens")
+    with torch.inference_mode():
+        out = build_profile(model, ids, args.model, args.partial_ratio,
+                            Path(args.output) if args.output else None)
+    print(f"wrote {out} ({ids.shape[1]} tokens, {time.perf_counter() - start:.1f} s)")
+    return 0

@@ -1,0 +1,370 @@
+"""``sekv``: surprisal-guided spans with a trained, query-aware zoom.
+
+Prefill (only when the context is over budget; below it every row stays exact, so B ≥ context is exactly
+full attention). Per layer and batch row: the first ``sinks`` tokens and the last ``recent`` tokens stay
+exact; in between, tokens whose surprisal (the frozen model's own ``-log p``) exceeds the adapter's
+per-layer threshold are anchors, kept exact; the runs between anchors are spans (runs shorter than
+``min_span`` stay exact). Per span and KV head the device tier keeps one summary row, the
+surprisal-weighted mean of its keys and values; the host tier keeps a rank-``r_max`` SVD of its keys and
+of its values (exact while the span has at most ``r_max`` rows).
+
+Decode: the router estimates each span's share of the attention mass from the query and the summary key
+(through the adapter's semantic projector, plus ``log |span|``), and spans whose estimate clears the
+adapter's per-layer/head threshold are reconstructed (with the adapter's rank gates) into a device-tier
+buffer and attended exactly, greedily in score order while the zoom rows allow. The remaining spans are
+attended through their summary row with a ``log |span|`` logit bias: one softmax over everything.
+Generated rows join the recent tail; every ``chunk`` steps its oldest ``chunk`` rows become a new span
+(merged into the last span once the resident rows are full), so nothing generated is dropped.
+
+Budget B per KV head = exact rows + summary rows + the zoom buffer. At prefill ``resident_fraction`` of
+B is resident (sinks, anchors, loose rows, summaries, the recent tail and room for one more ``chunk``);
+the rest is the zoom buffer. When anchors and spans would not fit, anchors are halved (most surprising
+kept) and spans merged (see ``zoomkv.methods._sekv_layout.segment_row``).
+
+The adapter: ``get_method("sekv", adapter=<SeKVAdapter>)``, or ``adapter_path="<folder>"`` (a folder
+written by ``zoomkv.adapters.sekv.save_adapter``, e.g. a training checkpoint's ``adapter/``). Without
+one, a fresh adapter is built deterministically from the layer shapes: it routes by ``q·summary-key``,
+zooms into anything over ~0.1% estimated mass and reconstructs at full rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zoomkv.adapters.sekv import DEFAULT_R_MAX, SeKVAdapter, load_adapter
+from zoomkv.errors import ConfigError
+from zoomkv.memory.recall import reserve_recall_buffer
+from zoomkv.methods._sekv_layout import build_spans, reconstruct, segment_row
+from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.methods.registry import register_method
+
+
+@dataclass
+class SeKVConfig(MethodConfig):
+    sinks: int = 4  # first tokens always exact (attention sinks)
+    recent: int = 8  # last tokens always exact
+    chunk: int = 8  # generated rows are summarised into a span every `chunk` steps
+    min_span: int = 4  # shorter runs between anchors stay exact
+    max_span: int = 32  # preferred span length (= r_max: its SVD is then exact)
+    resident_fraction: float = 0.5  # share of B for resident rows; the rest is the zoom buffer
+    adapter_path: str | None = None  # folder with adapter_config.json + adapter_model.safetensors
+
+    def __post_init__(self) -> None:
+        for name in ("sinks", "recent", "chunk"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_span < 2 or self.max_span < self.min_span:
+            raise ConfigError(f"need 2 <= min_span <= max_span, got {self.min_span}, {self.max_span}")
+        if not 0 < self.resident_fraction < 1:
+            raise ConfigError(f"resident_fraction must be in (0, 1), got {self.resident_fraction}")
+
+
+def plan_budget(budget: int, cfg: SeKVConfig) -> tuple[int, int, int]:
+    """``(resident_cap, zoom_rows, room)``: rows resident at most, rows of the zoom buffer, and the rows
+    left for anchors + loose rows + summaries once sinks, the tail and one chunk of growth are set aside."""
+    resident = int(budget * cfg.resident_fraction)
+    return resident, budget - resident, resident - cfg.sinks - cfg.recent - cfg.chunk
+
+
+@register_method
+class SeKV(KVMethod):
+    name = "sekv"
+    config_class = SeKVConfig
+    citation = "surprisal-guided spans + anchors with a trained router, rank gates and summary rows (zoomkv)"
+    summary = "surprisal anchors + span summaries on device, SVD bases on host; a trained router zooms in"
+    recallable = True
+    needs_surprisal = True
+
+    config: SeKVConfig
+
+    def __init__(self, config: SeKVConfig | None = None, *, adapter: SeKVAdapter | str | None = None,
+                 **overrides: Any):
+        super().__init__(config, **overrides)
+        if isinstance(adapter, str):
+            adapter = load_adapter(adapter)
+        elif adapter is None and self.config.adapter_path:
+            adapter = load_adapter(self.config.adapter_path)
+        self.adapter: SeKVAdapter | None = adapter
+        self._fresh: dict[tuple[int, int, int], SeKVAdapter] = {}  # default adapters by (layers, heads, dim)
+
+    def min_budget(self) -> int:
+        c = self.config
+        return math.ceil((c.sinks + c.recent + c.chunk + c.min_span) / c.resident_fraction) + 1
+
+    def device_rows(self, memory) -> int:
+        rows = 0
+        for name in ("keys", "sum_keys", "recall_keys"):
+            t = memory.device_tier.get(name)
+            rows += 0 if t is None else t.shape[2]
+        return rows
+
+    # -- adapter ----------------------------------------------------------------------------------------
+    def _adapter_for(self, ctx: PrefillContext) -> SeKVAdapter:
+        layers = len(ctx.zoom_layers) if ctx.zoom_layers is not None else ctx.num_layers
+        heads, dim = ctx.keys.shape[1], ctx.keys.shape[3]
+        adapter = self.adapter
+        if adapter is None:
+            key = (layers, heads, dim)
+            if key not in self._fresh:
+                self._fresh[key] = SeKVAdapter(layers, heads, dim, proj_dim=min(8, dim), share_projector=True,
+                                               r_max=DEFAULT_R_MAX)
+            adapter = self._fresh[key]
+        elif (adapter.num_layers, adapter.kv_heads, adapter.head_dim) != (layers, heads, dim):
+            raise ConfigError(
+                f"this sekv adapter was built for {adapter.num_layers} layers x {adapter.kv_heads} KV heads x "
+                f"head_dim {adapter.head_dim}, but the model has {layers} x {heads} x {dim}"
+            )
+        return adapter.to(ctx.keys.device)
+
+    @staticmethod
+    def _layer_pos(ctx: PrefillContext) -> int:
+        return ctx.zoom_layers.index(ctx.layer_idx) if ctx.zoom_layers is not None else ctx.layer_idx
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compress(self, memory, ctx: PrefillContext) -> None:
+        adapter = self._adapter_for(ctx)
+        budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget)
+        b, _, t, _ = ctx.keys.shape
+        memory.meta.update(budget=budget, scaling=ctx.scaling, layer=self._layer_pos(ctx), adapter=adapter)
+        surprisal = ctx.surprisal if ctx.surprisal is not None else torch.zeros(b, t, device=ctx.keys.device)
+        valid = ctx.valid if ctx.valid is not None else torch.ones(b, t, dtype=torch.bool, device=ctx.keys.device)
+        if t <= budget:
+            # Everything fits: keep every row exact (this is full attention) until the budget is reached.
+            memory.meta["mode"] = "exact"
+            memory.device_tier["keys"], memory.device_tier["values"] = ctx.keys, ctx.values
+            memory.device_tier["bias"] = _bias(valid)
+            memory.host_tier["surprisal"] = surprisal.float().clone()
+            return
+        self._build_zoom(memory, ctx.keys, ctx.values, valid, surprisal)
+
+    def _build_zoom(self, memory, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                    surprisal: torch.Tensor) -> None:
+        c = self.config
+        adapter: SeKVAdapter = memory.meta["adapter"]
+        layer = memory.meta["layer"]
+        b, h, t, _ = keys.shape
+        resident, zoom_rows, room = plan_budget(memory.meta["budget"], c)
+        tail_start = t - c.recent
+        tau = float(adapter.span_tau[layer])
+        firsts = [int(valid[i].float().argmax()) for i in range(b)]
+        # Rows are padded to the batch's largest exact set and span count: shrink the room until the
+        # padded union fits too (only differs from one pass when batch rows differ a lot).
+        budget_room = room
+        while True:
+            layouts = [segment_row(surprisal[i], firsts[i], tail_start, tau, sinks=c.sinks, min_span=c.min_span,
+                                   max_span=c.max_span, room=room) for i in range(b)]
+            n_exact = max(len(lay.exact) for lay in layouts)
+            n_spans = max(len(lay.spans) for lay in layouts)
+            excess = n_exact - c.sinks + n_spans - budget_room
+            if excess <= 0 or room <= c.min_span:
+                break
+            room = max(c.min_span, room - excess)
+        exact_idx = torch.zeros(b, n_exact + c.recent, dtype=torch.long)
+        exact_ok = torch.zeros(b, n_exact + c.recent, dtype=torch.bool)
+        for i, lay in enumerate(layouts):
+            exact_idx[i, : len(lay.exact)] = torch.tensor(lay.exact, dtype=torch.long)
+            exact_ok[i, : len(lay.exact)] = True
+        exact_idx[:, n_exact:] = torch.arange(tail_start, t)
+        exact_idx, exact_ok = exact_idx.to(keys.device), exact_ok.to(keys.device)
+        exact_ok[:, n_exact:] = valid[:, tail_start:]
+        gidx = exact_idx[:, None, :, None]
+        memory.device_tier["keys"] = torch.gather(keys, 2, gidx.expand(-1, h, -1, keys.shape[-1]))
+        memory.device_tier["values"] = torch.gather(values, 2, gidx.expand(-1, h, -1, values.shape[-1]))
+        memory.device_tier["bias"] = _bias(exact_ok)
+        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], adapter.r_max)
+        self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, spans.coef_k, spans.basis_k,
+                          spans.coef_v, spans.basis_v)
+        memory.host_tier.pop("surprisal", None)
+        memory.meta.update(mode="zoom", tail=c.recent, resident_cap=resident, zoom_rows=zoom_rows)
+        for name in ("recall_keys", "recall_values"):
+            memory.device_tier.pop(name, None)
+        reserve_recall_buffer(memory, zoom_rows)
+        # Unfilled slots are hidden by a -inf bias, but 0·NaN is NaN: never leave torch.empty garbage there.
+        memory.device_tier["recall_keys"].zero_()
+        memory.device_tier["recall_values"].zero_()
+
+    @staticmethod
+    def _store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v) -> None:
+        memory.device_tier["sum_keys"], memory.device_tier["sum_values"] = sum_k, sum_v
+        memory.device_tier["sum_count"] = count[:, None, :]  # [b, 1, S]
+        memory.host_tier.update(coef_k=coef_k, basis_k=basis_k, coef_v=coef_v, basis_v=basis_v)
+
+    # -- decode -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        dev = memory.device_tier
+        dev["keys"] = torch.cat([dev["keys"], key], dim=2)
+        dev["values"] = torch.cat([dev["values"], value], dim=2)
+        dev["bias"] = torch.cat([dev["bias"], dev["bias"].new_zeros(key.shape[0], 1, key.shape[2])], dim=2)
+        if memory.meta["mode"] == "exact":
+            s = memory.host_tier["surprisal"]
+            # A generated token's surprisal is unknown here: the row mean makes it neither anchor nor noise.
+            memory.host_tier["surprisal"] = torch.cat([s, s.mean(-1, keepdim=True).expand(-1, key.shape[2])], 1)
+            if dev["keys"].shape[2] > memory.meta["budget"]:  # the context outgrew the budget: compress now
+                valid = dev["bias"][:, 0] == 0
+                self._build_zoom(memory, dev["keys"], dev["values"], valid, memory.host_tier["surprisal"])
+            return
+        memory.meta["tail"] += key.shape[2]
+        if memory.meta["tail"] >= self.config.recent + self.config.chunk:
+            self._summarise_chunk(memory)
+
+    def _summarise_chunk(self, memory) -> None:
+        """The oldest ``chunk`` rows of the recent tail become a span (or join the last one when full)."""
+        c, dev = self.config, memory.device_tier
+        adapter: SeKVAdapter = memory.meta["adapter"]
+        e = dev["keys"].shape[2]
+        lo = e - memory.meta["tail"]
+        hi = lo + c.chunk
+        keys, values = dev["keys"][:, :, lo:hi], dev["values"][:, :, lo:hi]
+        ok = dev["bias"][:, 0, lo:hi] == 0  # [b, chunk]; tail rows of short rows may be padding
+        b, h, _, d = keys.shape
+        # Pack each row's real chunk rows first (padding, if any, is at the start of the tail).
+        order = (~ok).float().argsort(dim=1, stable=True)
+        keys = torch.gather(keys, 2, order[:, None, :, None].expand(-1, h, -1, d))
+        values = torch.gather(values, 2, order[:, None, :, None].expand(-1, h, -1, values.shape[-1]))
+        n_new = ok.sum(1)  # [b]
+        spans = [[(0, int(n))] if int(n) > 0 else [] for n in n_new]
+        # Generated rows carry no surprisal: uniform weights.
+        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, adapter.r_max)
+        n_spans = dev["sum_keys"].shape[2]
+        resident = dev["keys"].shape[2] - c.chunk + n_spans + 1
+        if resident + c.chunk <= memory.meta["resident_cap"] or n_spans == 0:
+            self._append_span(memory, new, n_new)
+        else:
+            self._merge_last(memory, keys, values, new, n_new)
+        keep = torch.cat([torch.arange(0, lo), torch.arange(hi, e)]).to(dev["keys"].device)
+        for name in ("keys", "values", "bias"):
+            dev[name] = dev[name].index_select(2, keep)
+        memory.meta["tail"] -= c.chunk
+
+    def _append_span(self, memory, new, n_new: torch.Tensor) -> None:
+        dev, host = memory.device_tier, memory.host_tier
+        size = max(host["coef_k"].shape[3], new.coef_k.shape[3])
+        pad = [_pad_rows(t, size) for t in (host["coef_k"], new.coef_k, host["coef_v"], new.coef_v)]
+        if new.sum_keys.shape[2] == 0:  # every row's chunk was padding: an empty slot keeps shapes aligned
+            return
+        self._store_spans(
+            memory,
+            torch.cat([dev["sum_keys"], new.sum_keys], 2), torch.cat([dev["sum_values"], new.sum_values], 2),
+            torch.cat([dev["sum_count"][:, 0], new.count], 1),
+            torch.cat([pad[0], pad[1]], 2), torch.cat([host["basis_k"], new.basis_k], 2),
+            torch.cat([pad[2], pad[3]], 2), torch.cat([host["basis_v"], new.basis_v], 2),
+        )
+
+    def _merge_last(self, memory, keys, values, new, n_new: torch.Tensor) -> None:
+        """No room for another summary row: fold the chunk into the last span slot (re-factored)."""
+        dev, host = memory.device_tier, memory.host_tier
+        adapter: SeKVAdapter = memory.meta["adapter"]
+        b, h = keys.shape[:2]
+        ones = torch.ones(adapter.r_max, device=keys.device, dtype=keys.dtype)
+        old_count = dev["sum_count"][:, 0, -1].long()  # [b]
+        old_k = reconstruct(host["coef_k"][:, :, -1], host["basis_k"][:, :, -1], ones)  # [b, h, P, d]
+        old_v = reconstruct(host["coef_v"][:, :, -1], host["basis_v"][:, :, -1], ones)
+        size = int((old_count + n_new).max())
+        rows_k = _pad_rows(old_k, size, dim=2).clone()
+        rows_v = _pad_rows(old_v, size, dim=2).clone()
+        for i in range(b):  # a handful of rows once every `chunk` steps: a loop is clearer than scatter math
+            o, n = int(old_count[i]), int(n_new[i])
+            rows_k[i, :, o : o + n] = keys[i, :, :n]
+            rows_v[i, :, o : o + n] = values[i, :, :n]
+        total = (old_count + n_new).to(keys.dtype)
+        # Summary of the union: the two summaries weighted by their row counts.
+        w_old = (old_count.to(keys.dtype) / total.clamp_min(1))[:, None, None]
+        w_new = (n_new.to(keys.dtype) / total.clamp_min(1))[:, None, None]
+        new_sk = new.sum_keys[:, :, 0] if new.sum_keys.shape[2] else torch.zeros_like(dev["sum_keys"][:, :, -1])
+        new_sv = new.sum_values[:, :, 0] if new.sum_values.shape[2] else torch.zeros_like(dev["sum_values"][:, :, -1])
+        sum_k = dev["sum_keys"].clone()
+        sum_v = dev["sum_values"].clone()
+        sum_k[:, :, -1] = w_old * dev["sum_keys"][:, :, -1] + w_new * new_sk
+        sum_v[:, :, -1] = w_old * dev["sum_values"][:, :, -1] + w_new * new_sv
+        count = dev["sum_count"][:, 0].clone()
+        count[:, -1] = total
+        spans = [[(0, int(n))] if int(n) > 0 else [] for n in (old_count + n_new)]
+        weights = torch.ones(b, size, device=keys.device)
+        merged = build_spans(rows_k, rows_v, weights, spans, adapter.r_max)
+        size = max(size, host["coef_k"].shape[3])
+        coef_k, coef_v = _pad_rows(host["coef_k"], size).clone(), _pad_rows(host["coef_v"], size).clone()
+        coef_k[:, :, -1] = _pad_rows(merged.coef_k, size)[:, :, 0]
+        coef_v[:, :, -1] = _pad_rows(merged.coef_v, size)[:, :, 0]
+        basis_k, basis_v = host["basis_k"].clone(), host["basis_v"].clone()
+        basis_k[:, :, -1], basis_v[:, :, -1] = merged.basis_k[:, :, 0], merged.basis_v[:, :, 0]
+        self._store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v)
+
+    @torch.no_grad()
+    def select(self, memory, query: torch.Tensor) -> Selection:
+        dev, host = memory.device_tier, memory.host_tier
+        keys, values = dev["keys"], dev["values"]
+        b, h = keys.shape[:2]
+        exact_bias = dev["bias"].expand(-1, h, -1)
+        if memory.meta["mode"] == "exact" or dev["sum_keys"].shape[2] == 0:
+            return Selection(keys, values, exact_bias.to(query.dtype))
+        adapter: SeKVAdapter = memory.meta["adapter"]
+        layer, scaling, zoom_rows = memory.meta["layer"], memory.meta["scaling"], memory.meta["zoom_rows"]
+        q = group_query(query, h)  # [b, h, g, d]
+        sum_k, sum_v = dev["sum_keys"], dev["sum_values"]
+        count = dev["sum_count"].expand(-1, h, -1)  # [b, h, S]
+        log_n = torch.where(count > 0, count.clamp_min(1).log(), torch.full_like(count, float("-inf")))
+        # The router: estimated log share of the attention mass of each span, per query head; a span is
+        # worth zooming into when some head of the group gives it more than the threshold.
+        exact_logits = torch.matmul(q, keys.transpose(-1, -2)) * scaling + exact_bias[:, :, None]
+        sum_logits = torch.matmul(q, sum_k.transpose(-1, -2)) * scaling + log_n[:, :, None]
+        lse = torch.logsumexp(torch.cat([exact_logits, sum_logits], -1), -1, keepdim=True)
+        routed = adapter.router_scores(layer, q, sum_k) * scaling + log_n[:, :, None]
+        route = (routed - lse).amax(2) - adapter.route_tau[layer].to(q.dtype)[None, :, None]  # [b, h, S]
+        take = greedy_zoom(route, count, zoom_rows)
+        recall_k, recall_v = dev["recall_keys"], dev["recall_values"]
+        recall_bias = torch.full((b, h, zoom_rows), float("-inf"), dtype=query.dtype, device=query.device)
+        nz = take.nonzero(as_tuple=True)
+        if nz[0].numel():
+            bi, hi, si = nz
+            gates = adapter.hard_gates(layer).to(keys.dtype)  # [h, 2, r]
+            rk = reconstruct(host["coef_k"][bi, hi, si], host["basis_k"][bi, hi, si], gates[hi, 0])  # [N, P, d]
+            rv = reconstruct(host["coef_v"][bi, hi, si], host["basis_v"][bi, hi, si], gates[hi, 1])
+            n_rows = count.long() * take
+            offset = (n_rows.cumsum(-1) - n_rows)[bi, hi, si]  # [N]: where each span starts in the buffer
+            j = torch.arange(rk.shape[1], device=rk.device)
+            live = j[None, :] < count[bi, hi, si].long()[:, None]  # [N, P]
+            dest = ((bi * h + hi) * zoom_rows + offset)[:, None] + j[None, :]
+            dest = dest[live]
+            recall_k.view(-1, recall_k.shape[-1])[dest] = rk[live].to(recall_k.dtype)
+            recall_v.view(-1, recall_v.shape[-1])[dest] = rv[live].to(recall_v.dtype)
+            recall_bias.view(-1)[dest] = 0.0
+        # Zoomed spans are attended through their rows, the others through their summary (log-size bias).
+        sum_bias = log_n.masked_fill(take, float("-inf")).to(query.dtype)
+        return Selection(
+            torch.cat([keys, sum_k, recall_k], 2),
+            torch.cat([values, sum_v, recall_v], 2),
+            torch.cat([exact_bias.to(query.dtype), sum_bias, recall_bias], 2),
+        )
+
+
+def greedy_zoom(route: torch.Tensor, count: torch.Tensor, zoom_rows: int) -> torch.Tensor:
+    """``[b, h, S]`` bool: spans with ``route > 0``, best first, as long as their rows fit ``zoom_rows``
+    (the first span that does not fit ends the walk, which keeps it vectorised)."""
+    order = route.argsort(dim=-1, descending=True)
+    eligible = torch.gather(route, -1, order) > 0
+    sizes = torch.gather(count, -1, order) * eligible
+    fits = eligible & (sizes.cumsum(-1) <= zoom_rows)
+    return torch.zeros_like(fits).scatter(-1, order, fits)
+
+
+def _bias(valid: torch.Tensor) -> torch.Tensor:
+    """``[b, n]`` bool → ``[b, 1, n]`` float logit bias (``-inf`` on padding)."""
+    return torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill(~valid, float("-inf"))[
+        :, None
+    ]
+
+
+def _pad_rows(t: torch.Tensor, size: int, dim: int = 3) -> torch.Tensor:
+    """Zero-pad the span-row axis of SVD coefficients (``[b, h, S, P, r]``) up to ``size``."""
+    short = size - t.shape[dim]
+    if short <= 0:
+        return t
+    pad = [0, 0] * (t.dim() - dim - 1) + [0, short]
+    return F.pad(t, pad)

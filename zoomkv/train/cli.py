@@ -1,0 +1,52 @@
+"""``zoomkv train`` / ``python -m zoomkv.train``: run a recipe, or ``--dry-run`` to size the adapter.
+
+    python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml steps=50 resume=latest
+    python -m zoomkv.train --recipe recipes/llama-3-8b/sekv.yaml --dry-run   # no weights loaded
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zoomkv.errors import ZoomKVError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", required=True, help="flat YAML recipe (recipes/<model>/<method>.yaml)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the trainable parameter count and fraction, then exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys")
+
+
+def run(args: argparse.Namespace) -> int:
+    from zoomkv.train.config import load_recipe
+
+    cfg = load_recipe(args.recipe, args.overrides)  # every recipe error surfaces here, before a model loads
+    if args.dry_run:
+        from zoomkv.train.loop import dry_run
+
+        dry_run(cfg)
+        return 0
+    from zoomkv.train.loop import train
+
+    train(cfg)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a method's adapter from a recipe (sekv)")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zoomkv.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ZoomKVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

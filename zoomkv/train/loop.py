@@ -1,0 +1,305 @@
+"""The training loop: one readable Accelerate loop, nanoGPT style.
+
+    python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml [key=value ...]
+    accelerate launch --config_file recipes/accelerate/multi_cpu.yaml -m zoomkv.train --recipe ...
+
+1. resolve the recipe (errors before any model loads), size the adapter, refuse it over the limit;
+2. generate the synthetic samples and extract the teacher signals once (cached safetensors);
+3. train the adapter from the cache: each step one sample (length curriculum) and a few layers;
+4. checkpoint adapter-only state (weights, optimizer, RNG, step) every ``save_every`` steps and export the
+   adapter folder at the end, with the resolved recipe next to it.
+
+Resuming (``resume=latest``) restores the exact state: the data position and the per-step randomness are
+pure functions of (seed, step), and the RNG states are saved anyway, so a run killed with SIGKILL and
+resumed gives bitwise the adapter of an uninterrupted run (CPU, same seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoomkv.adapters.base import ModelShape
+from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter, save_adapter
+from zoomkv.errors import ConfigError
+from zoomkv.methods.sekv import SeKVConfig
+from zoomkv.train.config import TrainConfig, save_resolved
+from zoomkv.train.data import curriculum_index, make_samples
+from zoomkv.train.student import position_losses, ramp, rank_regulariser
+from zoomkv.train.teacher import build_cache, load_sample
+
+# Shapes of models too big to load for a dry run: the trainable fraction needs only their config.
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "meta-llama/Meta-Llama-3-8B": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def shape_without_weights(name: str) -> ModelShape:
+    """A ModelShape (with the parameter count) from a config alone: the model is built on the meta device."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**KNOWN_CONFIGS[name])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return ModelShape.from_config(config, sum(p.numel() for p in model.parameters()))
+
+
+def build_adapter(cfg: TrainConfig, shape: ModelShape) -> SeKVAdapter:
+    if cfg.init_adapter:
+        return load_adapter(cfg.init_adapter)
+    return build_sekv_modules(shape, {**cfg.adapter_hyper(), "init_seed": cfg.seed})
+
+
+def check_fraction(adapter: torch.nn.Module, shape: ModelShape, cfg: TrainConfig, log=print) -> float:
+    n = sum(p.numel() for p in adapter.parameters() if p.requires_grad)
+    fraction = n / shape.num_parameters
+    log(f"trainable parameters: {n} of {shape.num_parameters} ({fraction:.3e} of the base model; "
+        f"limit {cfg.max_trainable_fraction:g})")
+    if fraction > cfg.max_trainable_fraction:
+        raise ConfigError(
+            f"the adapter has {n} trainable parameters = {fraction:.3e} of the base model, over "
+            f"max_trainable_fraction={cfg.max_trainable_fraction:g}; lower proj_dim/r_max, set "
+            "share_projector=true, or raise max_trainable_fraction"
+        )
+    return fraction
+
+
+def dry_run(cfg: TrainConfig) -> float:
+    if cfg.model in KNOWN_CONFIGS:
+        shape = shape_without_weights(cfg.model)
+    else:
+        from zoomkv.models import load_model
+
+        model, _ = load_model(cfg.model)
+        shape = ModelShape.from_model(model)
+    adapter = build_adapter(cfg, shape)
+    print(f"model {cfg.model}: {shape.num_layers} layers ({len(shape.full_attention_layers)} compressed), "
+          f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; adapter {adapter.hyper()}")
+    fraction = check_fraction(adapter, shape, cfg)
+    print(f"trainable_fraction={fraction:.6g}")
+    return fraction
+
+
+class TrainState:
+    """What a checkpoint needs besides weights and optimizer: the step (the data position follows from it)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "DONE").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> None:
+    """Written to a temporary folder then renamed, with a DONE marker last: a kill mid-save leaves the
+    previous checkpoint as ``latest``."""
+    final = run_dir / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_state(str(tmp))
+    save_resolved(cfg, tmp)
+    (tmp / "DONE").write_text(str(step))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: list[int], cfg: TrainConfig,
+              mcfg: SeKVConfig, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    all_layers = sample["layers"].tolist()
+    scaling = float(sample["scaling"])
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "anchor", "budget")}
+    for layer in layers:
+        pos_in_adapter = all_layers.index(layer)
+        keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
+        for p, t in enumerate(sample["positions"].tolist()):
+            losses = position_losses(adapter, pos_in_adapter, keys, values, sample[f"q.{layer}"][:, p],
+                                     sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
+                                     cfg.budget, mcfg, cfg.rho)
+            if losses is not None:
+                for k in parts:
+                    parts[k].append(getattr(losses, k))
+    if not parts["kl"]:
+        zero = sum(p.sum() * 0 for p in adapter.parameters())
+        return zero, {}
+    mean = {k: torch.stack(v).mean() for k, v in parts.items()}
+    rank = rank_regulariser(adapter)
+    loss = (cfg.w_kl * mean["kl"] + cfg.w_out * mean["out"] + cfg.w_zoom * mean["zoom"]
+            + cfg.w_anchor * mean["anchor"] + cfg.w_rank * rank
+            + cfg.w_budget * ramp(step, cfg.budget_ramp_steps) * mean["budget"])
+    logs = {k: v.item() for k, v in mean.items()} | {"rank": rank.item(), "loss": loss.item()}
+    return loss, logs
+
+
+def train(cfg: TrainConfig) -> Path:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from zoomkv.models import load_model
+
+    if cfg.model in KNOWN_CONFIGS:
+        raise ConfigError(f"{cfg.model!r} is only known by its config here (use --dry-run), not loadable")
+    run_dir = cfg.run_dir
+    log_with = None
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+
+            log_with = "tensorboard"
+        except ImportError:
+            pass
+    accelerator = Accelerator(log_with=log_with, project_dir=str(run_dir))
+    say = accelerator.print
+    set_seed(cfg.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    model, tokenizer = load_model(cfg.model)
+    model.requires_grad_(False)  # frozen: never trained, never saved
+    shape = ModelShape.from_model(model)
+    adapter = build_adapter(cfg, shape)
+    check_fraction(adapter, shape, cfg, log=say)
+    mcfg = SeKVConfig(**cfg.method_kwargs())
+
+    # -- teacher signals, once (main process), then everyone reads the cache
+    tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    samples = make_samples(tokenizer, tasks, cfg.num_samples, cfg.min_length, cfg.max_length, cfg.seed)
+    fingerprint = {"model": cfg.model, "tasks": tasks, "num_samples": cfg.num_samples, "seed": cfg.seed,
+                   "min_length": cfg.min_length, "max_length": cfg.max_length, "queries": cfg.queries_per_sample,
+                   "budget": cfg.budget, "recent": cfg.recent}
+    if accelerator.is_main_process:
+        build_cache(model, tokenizer, samples, cfg.cache_dir, n_queries=cfg.queries_per_sample, min_pos=cfg.budget,
+                    recent=cfg.recent, fingerprint=fingerprint)
+    accelerator.wait_for_everyone()
+    paths = sorted(cfg.cache_dir.glob("sample_*.safetensors"))[: cfg.num_samples]
+
+    projector = [p for n, p in adapter.named_parameters() if n.startswith("proj_")]
+    others = [p for n, p in adapter.named_parameters() if not n.startswith("proj_")]
+    optimizer = torch.optim.AdamW([{"params": others, "lr": cfg.lr}, {"params": projector, "lr": cfg.proj_lr}],
+                                  weight_decay=cfg.weight_decay)
+    adapter, optimizer = accelerator.prepare(adapter, optimizer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+    resume = latest_checkpoint(run_dir) if cfg.resume == "latest" else (Path(cfg.resume) if cfg.resume else None)
+    if cfg.resume and cfg.resume != "latest" and (resume is None or not resume.is_dir()):
+        raise ConfigError(f"recipe key 'resume': checkpoint folder not found: {cfg.resume}")
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        say(f"resumed from {resume} at step {state.step}")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, run_dir)
+    if log_with:
+        accelerator.init_trackers("tb", config={k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)})
+
+    raw = accelerator.unwrap_model(adapter)
+    layers_all = list(range(raw.num_layers))
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
+    t0 = time.time()
+    while state.step < cfg.steps:
+        step = state.step + 1
+        # Per-step randomness from (seed, step, process): resume needs nothing but the step number.
+        rng = random.Random(cfg.seed * 7919 + step * 31 + accelerator.process_index)
+        index = curriculum_index(step * accelerator.num_processes + accelerator.process_index,
+                                 cfg.steps * accelerator.num_processes, len(paths), cfg.seed)
+        sample = load_sample(paths[index])
+        k = cfg.layers_per_step or len(layers_all)
+        layers = sorted(rng.sample(sample["layers"].tolist(), min(k, len(layers_all))))
+        with accelerator.accumulate(adapter):
+            loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
+            accelerator.backward(loss)
+            if cfg.grad_clip > 0:
+                accelerator.clip_grad_norm_(adapter.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state.step = step
+        bar.update(1)
+        if logs and (step % cfg.log_every == 0 or step == 1):
+            bar.set_postfix(loss=f"{logs['loss']:.4f}")
+            say(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+                + f" len={sample['ids'].shape[0]} ({time.time() - t0:.0f}s)")
+            if log_with:
+                accelerator.log({f"train/{k}": v for k, v in logs.items()}, step=step)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            accelerator.wait_for_everyone()
+            save_checkpoint(accelerator, run_dir, step, cfg)
+        if cfg.kill_at_step and step == cfg.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
+    bar.close()
+    out = run_dir / "adapter"
+    if accelerator.is_main_process:
+        save_adapter(raw, out, extra={"base_model": cfg.model, "budget": cfg.budget, "method_config": cfg.method_kwargs(),
+                                      "steps": cfg.steps})
+        save_resolved(cfg, out)
+        say(f"adapter saved to {out}")
+        if cfg.eval_samples:
+            scores = evaluate(model, tokenizer, cfg, raw)
+            (run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
+            say("eval " + json.dumps(scores))
+    accelerator.end_training()
+    return out
+
+
+@torch.inference_mode()
+def answer_scores(model, tokenizer, texts: list[tuple[str, str]], method: Any, budget: int) -> dict[str, float]:
+    """Teacher-forced answer tokens after a prefill: mean next-token KL to full attention, and exact-answer
+    accuracy (every answer token the greedy choice) of the compressed and of the full model."""
+    from zoomkv import compat
+    from zoomkv.memory.replay import cache_from_record, record_prefill
+
+    kls, hits, full_hits = [], [], []
+    for prompt, answer in texts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        ans = tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        full = model(input_ids=torch.cat([ids, ans], 1)).logits[0, ids.shape[1] - 1 : -1].float()
+        record = record_prefill(model, ids)
+        cache = cache_from_record(model, record, method, budget)
+        logits = [record.last_logits[0]]
+        for i in range(ans.shape[1] - 1):
+            pos = torch.tensor([[ids.shape[1] + i]])
+            out = model(input_ids=ans[:, i : i + 1], position_ids=pos, use_cache=True, **compat.generate_cache_kwargs(cache))
+            logits.append(out.logits[0, -1].float())
+        student = torch.stack(logits)
+        kl = torch.nn.functional.kl_div(student.log_softmax(-1), full.log_softmax(-1), log_target=True, reduction="none")
+        kls.append(float(kl.sum(-1).mean()))
+        hits.append(bool((student.argmax(-1) == ans[0]).all()))
+        full_hits.append(bool((full.argmax(-1) == ans[0]).all()))
+    n = len(texts)
+    return {"kl": sum(kls) / n, "accuracy": sum(hits) / n, "full_accuracy": sum(full_hits) / n}
+
+
+def evaluate(model, tokenizer, cfg: TrainConfig, adapter: SeKVAdapter) -> dict[str, Any]:
+    """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one."""
+    from zoomkv.methods.sekv import SeKV
+
+    tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    held = make_samples(tokenizer, tasks, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973)
+    texts = []
+    for s in held:
+        cut = s.text.rindex(s.answer)
+        texts.append((s.text[:cut].rstrip(" "), " " + s.answer))
+    out: dict[str, Any] = {"budget": cfg.budget, "samples": len(texts)}
+    for name, ad in (("fresh", None), ("trained", adapter)):
+        out[name] = answer_scores(model, tokenizer, texts, SeKV(adapter=ad, **cfg.method_kwargs()), cfg.budget)
+    return out

@@ -1,0 +1,83 @@
+"""Teacher signals, extracted once per sample with the frozen model at full attention and cached as
+safetensors, so training steps never rerun the base model.
+
+Per sample: token ids, surprisal, the chosen query positions, and per compressed layer the post-RoPE
+keys and values (fp16), the queries at the chosen positions and the teacher's attention distribution
+there (fp16; per-span mass and output are sums over it). Positions are picked where attention reaches far
+back (mass on tokens older than the recent window, averaged over layers and heads), plus the last one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from zoomkv.memory.replay import _record_surprisal, record_prefill
+from zoomkv.train.data import Sample
+
+CACHE_VERSION = 1
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+@torch.inference_mode()
+def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recent: int) -> dict[str, torch.Tensor]:
+    record = record_prefill(model, ids)
+    surprisal = _record_surprisal(model, record)[0].float()
+    t = ids.shape[1]
+    layers = sorted(record.contexts)
+    cands = torch.arange(min(max(min_pos, t // 2), t - 1), t)
+    far = torch.zeros(len(cands))
+    probs_by_layer = {}
+    for layer in layers:
+        ctx = record.contexts[layer]
+        q = ctx.queries[0][:, cands].float()  # [hq, C, d]
+        k = ctx.keys[0].float().repeat_interleave(ctx.num_kv_groups, dim=0)  # [hq, T, d]
+        logits = torch.matmul(q, k.transpose(-1, -2)) * ctx.scaling
+        causal = torch.arange(t)[None, :] > cands[:, None]
+        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), -1)  # [hq, C, T]
+        probs_by_layer[layer] = probs
+        old = torch.arange(t)[None, :] < (cands[:, None] - recent - 32)
+        far += (probs * old).sum(-1).mean(0)
+    pick = far[:-1].topk(min(n_queries - 1, len(cands) - 1)).indices if len(cands) > 1 else torch.zeros(0, dtype=torch.long)
+    chosen = torch.cat([pick, torch.tensor([len(cands) - 1])]).sort().values
+    out: dict[str, torch.Tensor] = {"ids": ids[0].clone(), "surprisal": surprisal, "positions": cands[chosen].clone(),
+                                    "layers": torch.tensor(layers)}
+    for layer in layers:
+        ctx = record.contexts[layer]
+        out[f"k.{layer}"] = ctx.keys[0].half().contiguous()
+        out[f"v.{layer}"] = ctx.values[0].half().contiguous()
+        out[f"q.{layer}"] = ctx.queries[0][:, cands[chosen]].float().contiguous()
+        out[f"attn.{layer}"] = probs_by_layer[layer][:, chosen].half().contiguous()
+    out["scaling"] = torch.tensor(record.contexts[layers[0]].scaling)
+    return out
+
+
+def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_queries: int, min_pos: int, recent: int,
+                fingerprint: dict[str, Any], show_progress: bool = True) -> list[Path]:
+    """Extract every sample once (skipped when the cache already matches ``fingerprint``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta_path = folder / "meta.json"
+    fingerprint = {**fingerprint, "version": CACHE_VERSION, "n": len(samples)}
+    paths = [folder / f"sample_{i:05d}.safetensors" for i in range(len(samples))]
+    if meta_path.is_file() and json.loads(meta_path.read_text()) == fingerprint and all(p.is_file() for p in paths):
+        return paths
+    meta_path.unlink(missing_ok=True)
+    for sample, path in tqdm(list(zip(samples, paths, strict=True)), desc="teacher signals", disable=not show_progress):
+        tensors = extract_sample(model, encode(tokenizer, sample.text), n_queries, min_pos, recent)
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(path)
+    meta_path.write_text(json.dumps(fingerprint, sort_keys=True))
+    return paths
+
+
+def load_sample(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
