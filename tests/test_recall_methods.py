@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import assert_all_tensors_in_tiers
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
-from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods._kmeans import cosine_kmeans
 from zoomkv.methods.base import PrefillContext, Selection
@@ -53,29 +53,6 @@ def id_values(b: int, h: int, n: int, d: int, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1).expand(b, h, n, d).clone()
 
 
-def tensors_in(obj, seen=None) -> list[torch.Tensor]:
-    seen = seen if seen is not None else set()
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, RowBuffer):
-        return tensors_in(obj.data, seen)
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_in(v, seen)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v, seen)]
-    return []
-
-
-def assert_all_tensors_in_tiers(memory: LayerMemory) -> None:
-    state = {k: v for k, v in vars(memory).items() if k != "cache"}
-    held = sum(t.nbytes for t in tensors_in(state))
-    tiers = sum(t.nbytes for t in tensors_in(dict(memory.device_tier))) + sum(
-        t.nbytes for t in tensors_in(dict(memory.host_tier))
-    )
-    assert held == tiers, "a tensor is held outside both tiers"
 
 
 def snapkv_keeps(queries: torch.Tensor, keys: torch.Tensor, budget: int, window: int = 8) -> set[int]:

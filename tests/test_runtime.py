@@ -6,12 +6,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from tests.helpers import tensors_in
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
-from zoomkv.memory.quant import QuantizedRowBuffer
-from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods.base import Selection
 from zoomkv.models import load_model
@@ -97,23 +96,6 @@ def test_small_budget_changes_output_and_is_never_exceeded(tiny):
     assert max_logit_diff(out.scores, ref.scores) > 1e-3
 
 
-def _tensors_in(obj, seen=None):
-    """Every tensor reachable from a LayerMemory's attributes (tiers, meta, buffers)."""
-    seen = seen if seen is not None else set()
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, QuantizedRowBuffer):
-        return [t for t in obj.tensors() for t in _tensors_in(t, seen)]
-    if isinstance(obj, RowBuffer):
-        return _tensors_in(obj.data, seen)
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_in(v, seen)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in(v, seen)]
-    return []
 
 
 @pytest.mark.parametrize("method,budget,quant", [("full", None, None), ("oracle_topk", 16, None),
@@ -129,9 +111,9 @@ def test_memory_report_equals_tensors_held(tiny, method, budget, quant):
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LayerMemory):
             state = {k: v for k, v in vars(layer).items() if k != "cache"}
-            all_tensors = _tensors_in(state)
-            dev = sum(t.nbytes for t in _tensors_in(dict(layer.device_tier)))
-            host = sum(t.nbytes for t in _tensors_in(dict(layer.host_tier)))
+            all_tensors = tensors_in(state)
+            dev = sum(t.nbytes for t in tensors_in(dict(layer.device_tier)))
+            host = sum(t.nbytes for t in tensors_in(dict(layer.host_tier)))
             assert sum(t.nbytes for t in all_tensors) == dev + host, "a tensor is held outside both tiers"
             assert report.layers[i].device_bytes == dev and report.layers[i].host_bytes == host
             held_device += dev

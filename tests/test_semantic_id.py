@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import assert_all_tensors_in_tiers
 from zoomkv import ZoomCache
 from zoomkv.adapters.base import ModelShape, build_adapter_modules
 from zoomkv.adapters.semantic_projector import SemanticProjector, pca_basis, semantic_input
@@ -16,7 +17,6 @@ from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import BudgetError, ConfigError
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
-from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods._semantic import COMPRESSED, RAW, RECALLED, match_score
 from zoomkv.methods.base import PrefillContext, Selection
@@ -45,28 +45,6 @@ def prefill(method, memory, keys, values, budget, valid=None, input_ids=None, to
     memory.compressed = True
 
 
-def tensors_in(obj, seen=None) -> list[torch.Tensor]:
-    seen = seen if seen is not None else set()
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, RowBuffer):
-        return tensors_in(obj.data, seen)
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_in(v, seen)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v, seen)]
-    return []
-
-
-def assert_all_tensors_in_tiers(memory: LayerMemory) -> None:
-    state = {k: v for k, v in vars(memory).items() if k != "cache"}
-    held = sum(t.nbytes for t in tensors_in(state))
-    tiers = sum(t.nbytes for t in tensors_in(dict(memory.device_tier))) + sum(
-        t.nbytes for t in tensors_in(dict(memory.host_tier)))
-    assert held == tiers, "a tensor is held outside both tiers"
 
 
 def full_output(q: torch.Tensor, memory: LayerMemory) -> torch.Tensor:

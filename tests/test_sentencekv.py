@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
+from tests.helpers import assert_all_tensors_in_tiers
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
 from zoomkv.memory import LayerMemory
-from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods._segments import CLAUSE_MARKS, boundary_token_ids, segment_ids
 from zoomkv.methods.base import PrefillContext, Selection
@@ -50,28 +50,6 @@ def row_ids(sel: Selection, b: int = 0, h: int = 0) -> list[int]:
     return [int(v) for v in ids.tolist()]
 
 
-def tensors_in(obj, seen=None) -> list[torch.Tensor]:
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, RowBuffer):
-        return tensors_in(obj.data, seen)
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_in(v, seen)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v, seen)]
-    return []
-
-
-def assert_all_tensors_in_tiers(memory: LayerMemory) -> None:
-    state = {k: v for k, v in vars(memory).items() if k != "cache"}
-    held = sum(t.nbytes for t in tensors_in(state))
-    tiers = sum(t.nbytes for t in tensors_in(dict(memory.device_tier))) + sum(
-        t.nbytes for t in tensors_in(dict(memory.host_tier)))
-    assert held == tiers, "a tensor is held outside both tiers"
 
 
 def sentences_along_axes(lengths: list[int], d: int = 16, seed: int = 0):
