@@ -35,3 +35,25 @@ def assert_all_tensors_in_tiers(memory: LayerMemory) -> None:
     tiers = sum(t.nbytes for t in tensors_in(dict(memory.device_tier))) + sum(
         t.nbytes for t in tensors_in(dict(memory.host_tier)))
     assert held == tiers, "a tensor is held outside both tiers"
+
+
+def padded_batch(vocab: int, lengths: tuple[int, ...] = (70, 52), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of ``lengths`` tokens, left padded (pad id 0) to the longest: ids and attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    total = max(lengths)
+    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, total - n :] = 1
+        ids[i, : total - n] = 0
+    return ids, mask
+
+
+def greedy(model, ids: torch.Tensor, mask: torch.Tensor, cache=None, new: int = 10):
+    """Exactly ``new`` greedy tokens with their step logits, through ``cache`` (plain generate when None)."""
+    from zoomkv.compat import generate_cache_kwargs
+
+    kwargs = generate_cache_kwargs(cache) if cache is not None else {}
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                          **kwargs)

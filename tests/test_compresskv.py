@@ -10,6 +10,8 @@ import types
 import pytest
 import torch
 
+from tests.helpers import greedy as _generate
+from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
 from zoomkv.calibrate import compresskv as calib
 from zoomkv.cli import main
@@ -198,23 +200,6 @@ def test_profile_found_by_the_model_name(cache_root, monkeypatch):
 
 
 # -- the runtime invariants (as test_method_invariants.py, with a profile) ---------------------------------------
-def _batch(vocab: int, lengths=(70, 52)):
-    g = torch.Generator().manual_seed(1)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        mask[i, total - n :] = 1
-        ids[i, : total - n] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, cache, new=10):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                          **generate_cache_kwargs(cache))
-
-
 def test_large_budget_is_exactly_full(tiny):
     model, _, path = tiny
     ids, mask = _batch(model.config.vocab_size)

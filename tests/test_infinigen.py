@@ -9,6 +9,8 @@ import functools
 import pytest
 import torch
 
+from tests.helpers import greedy as _generate
+from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
 from zoomkv.cli import main as cli_main
 from zoomkv.compat import generate_cache_kwargs
@@ -180,23 +182,6 @@ def test_recalls_the_needle_rows_and_the_newest_within_the_budget(profiles):
 
 
 # -- runtime invariants (test_method_invariants.py skips needs_profile methods) ---------------------------------
-def _batch(vocab: int, lengths=(70, 52)):
-    g = torch.Generator().manual_seed(1)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        mask[i, total - n :] = 1
-        ids[i, : total - n] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, cache, new=10):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                          **generate_cache_kwargs(cache))
-
-
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_large_budget_is_exactly_full(profiles, family):
     model, _ = tiny(family)

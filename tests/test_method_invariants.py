@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import greedy as _generate
+from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
-from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import METHODS, get_method
 from zoomkv.models import load_model
@@ -24,23 +25,6 @@ BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and n
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
 def tiny(request):
     return load_model(request.param)
-
-
-def _batch(vocab: int, lengths=(70, 52)):
-    g = torch.Generator().manual_seed(1)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        mask[i, total - n :] = 1
-        ids[i, : total - n] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, cache=None, new=10):
-    kwargs = generate_cache_kwargs(cache) if cache is not None else {}
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
 
 
 def _max_diff(a_scores, b_scores) -> float:
