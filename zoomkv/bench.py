@@ -34,7 +34,9 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         Budget.parse(b)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    random_weights = bool(getattr(args, "random_weights", False))
+    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device),
+                                  random_weights=random_weights)
     prompt = passkey_prompt(tokenizer, args.length, depth=0.5, seed=0)
 
     configs: list[tuple[str, str | None]] = [("full", None)]
@@ -74,10 +76,13 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             "full_kv_bytes": mem.full_kv_bytes,
         })
     if getattr(args, "json", False):
-        print(json.dumps({"model": args.model, "length": args.length, "new_tokens": args.new_tokens,
+        print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
+                          "dtype": str(model.dtype).removeprefix("torch."), "length": args.length, "new_tokens": args.new_tokens,
                           "repeats": args.repeats, "rows": rows}))
     else:
-        print(f"model {args.model}, prompt {rows[0]['prompt_tokens']} tokens, {args.new_tokens} new tokens, "
+        weights = " (random weights: timing only)" if random_weights else ""
+        print(f"model {args.model}{weights} on {model.device} in {str(model.dtype).removeprefix('torch.')}, "
+              f"prompt {rows[0]['prompt_tokens']} tokens, {args.new_tokens} new tokens, "
               f"median of {args.repeats} interleaved runs")
         print()
         print("| method | budget | prefill s | × full | decode ms/token | × full | device MiB | host MiB | full KV MiB |")

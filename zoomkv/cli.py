@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--dtype", default="float32")
     b.add_argument("--device", default="auto")
+    b.add_argument("--random-weights", action="store_true",
+                   help="build --model (a local folder with config.json + tokenizer) with random weights: timing only")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 

@@ -44,6 +44,8 @@ class _StepClock(LogitsProcessor):
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:  # kernels run ahead of Python: stamp when the step's logits really exist
+            torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
 

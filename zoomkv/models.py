@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -540,22 +541,45 @@ def _from_pretrained(
     return model, tokenizer
 
 
+def _random_from_config(
+    folder: Path, *, dtype: torch.dtype, device: str | torch.device | None, attn_implementation: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.random.fork_rng(devices=[target.index or 0] if target.type == "cuda" else []), target:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model, tokenizer
+
+
 def load_model(
     name_or_path: str,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
+    random_weights: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model and its tokenizer, in eval mode, tokenizer padding on the left.
 
     ``name_or_path`` is a registered name (``list_models()``), a local checkpoint folder or ``.gguf``
     file, or a Hugging Face hub id. Raises ModelNotFoundError for anything that cannot be found, with
     the install command when a model package is missing.
+
+    ``random_weights=True`` builds the architecture from a local folder's ``config.json`` (and takes its
+    tokenizer) with seeded random weights, directly on ``device``: for timing a model's shape (``zoomkv
+    bench --random-weights``) where its weights are not at hand. Never use it for accuracy.
     """
     spec = _REGISTRY.get(name_or_path)
     path = Path(name_or_path).expanduser()
-    if spec is not None and spec.kind == "tiny":
+    if random_weights:
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise ModelNotFoundError(
+                f"--random-weights needs a local folder with a config.json and a tokenizer, got {name_or_path!r}"
+            )
+        model, tokenizer = _random_from_config(path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    elif spec is not None and spec.kind == "tiny":
         model, tokenizer = build_tiny_model(
             spec.name.removeprefix("tiny-"), dtype=dtype, attn_implementation=attn_implementation
         )

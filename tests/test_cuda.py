@@ -1,0 +1,134 @@
+"""The runtime on an accelerator: every method on CUDA, tiers where they belong, results as on the CPU.
+
+Skipped where no GPU is present (this repository's CI has none); ``scripts/cuda_check.sh`` runs it on a
+CUDA machine. ``ZOOMKV_TEST_DEVICE=cpu`` runs the same checks on the CPU, to try the file anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import greedy, padded_batch, tensors_in
+from zoomkv import ZoomCache
+from zoomkv.memory import LayerMemory
+from zoomkv.methods import METHODS, get_method
+from zoomkv.models import load_model
+
+DEVICE = os.environ.get("ZOOMKV_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+pytestmark = pytest.mark.skipif(DEVICE is None, reason="no CUDA device (set ZOOMKV_TEST_DEVICE to force one)")
+
+NEEDS_PROFILE = {name for name, cls in METHODS.items() if getattr(cls, "needs_profile", False)}
+BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and name not in NEEDS_PROFILE)
+RECALLABLE = sorted(n for n in BUDGETED if METHODS[n].recallable)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+def tiny(request):
+    model, _ = load_model(request.param, device=DEVICE)
+    return model
+
+
+def _batch(model, lengths=(70, 52)):
+    ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def _max_diff(a_scores, b_scores) -> float:
+    worst = 0.0
+    for a, b in zip(a_scores, b_scores, strict=True):
+        a, b = a.float().cpu(), b.float().cpu()
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
+    return worst
+
+
+def _assert_tiers_placed(cache: ZoomCache) -> None:
+    """Device tier on the model's device; host tier in CPU memory, page-locked when the device is CUDA."""
+    layers = [layer for layer in cache.layers if isinstance(layer, LayerMemory)]
+    assert layers
+    for layer in layers:
+        for t in tensors_in(dict(layer.device_tier)):
+            assert t.device.type == torch.device(DEVICE).type, f"layer {layer.layer_idx}: device-tier tensor on {t.device}"
+        for t in tensors_in(dict(layer.host_tier)):
+            assert t.device.type == "cpu", f"layer {layer.layer_idx}: host-tier tensor on {t.device}"
+            if torch.device(DEVICE).type == "cuda":
+                assert t.is_pinned(), f"layer {layer.layer_idx}: host tier not pinned (no async recall)"
+
+
+def test_full_on_the_device_matches_the_cpu(tiny):
+    ids, mask = _batch(tiny)
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, "full"))
+    cpu_model, _ = load_model(tiny.zoomkv_name)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, "full"))
+    assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
+    assert _max_diff(on_device.scores, on_cpu.scores) < 1e-3
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_large_budget_is_exactly_full_on_the_device(tiny, name):
+    ids, mask = _batch(tiny)
+    ref = greedy(tiny, ids, mask, ZoomCache(tiny, "full"))
+    out = greedy(tiny, ids, mask, ZoomCache(tiny, name, 4096))
+    assert torch.equal(out.sequences, ref.sequences), name
+    assert _max_diff(out.scores, ref.scores) < 1e-3, name
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_small_budget_holds_and_tiers_are_placed(tiny, name):
+    ids, mask = _batch(tiny, lengths=(90, 90))
+    method = get_method(name)
+    budget = max(method.min_budget(), 40)
+    cache = ZoomCache(tiny, method, budget)
+    out = greedy(tiny, ids, mask, cache, new=24)  # the runtime raises if a step holds more than B rows
+    assert out.sequences.device.type == torch.device(DEVICE).type
+    _assert_tiers_placed(cache)
+    report = cache.memory_report()
+    zoom = [r for r in report.layers if r.kind == "zoom"]
+    assert zoom and sum(r.device_bytes for r in zoom) < sum(r.full_kv_bytes for r in zoom)
+    if METHODS[name].recallable:
+        assert report.host_bytes > 0, f"{name} keeps everything: the host tier cannot be empty"
+
+
+@pytest.mark.parametrize("name", RECALLABLE)
+def test_tail_summary_on_the_device(tiny, name):
+    ids, mask = _batch(tiny)
+    method = get_method(name)
+    cache = ZoomCache(tiny, method, max(method.min_budget() + 1, 40), tail_summary=True)
+    greedy(tiny, ids, mask, cache, new=16)
+    _assert_tiers_placed(cache)
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_quantized_host_tier_on_the_device(tiny, bits):
+    ids, mask = _batch(tiny, lengths=(90, 90))
+    plain = ZoomCache(tiny, "oracle_topk", 40)
+    greedy(tiny, ids, mask, plain, new=8)
+    quant = ZoomCache(tiny, "oracle_topk", 40, kv_quant=bits)
+    greedy(tiny, ids, mask, quant, new=8)
+    _assert_tiers_placed(quant)
+    ratio = quant.memory_report().host_bytes / plain.memory_report().host_bytes
+    assert ratio < (0.6 if bits == "int8" else 0.35), ratio
+
+
+def test_full_with_quantized_device_tier_stays_close(tiny):
+    ids, mask = _batch(tiny)
+    ref = greedy(tiny, ids, mask, ZoomCache(tiny, "full"))
+    out = greedy(tiny, ids, mask, ZoomCache(tiny, "full", kv_quant="int8", kv_quant_tiers="all"))
+    assert _max_diff(out.scores[:1], ref.scores[:1]) < 0.5  # first step: same prompt, int8 keys/values
+
+
+def test_bfloat16_model_runs_every_recallable_method():
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("bf16 matmuls are a GPU path")
+    model, _ = load_model("tiny-llama", device=DEVICE, dtype=torch.bfloat16)
+    ids, mask = _batch(model, lengths=(90, 90))
+    for name in RECALLABLE:
+        method = get_method(name)
+        cache = ZoomCache(model, method, max(method.min_budget(), 40))
+        out = greedy(model, ids, mask, cache, new=8)
+        assert all(torch.isfinite(s).any() for s in out.scores), name
+        _assert_tiers_placed(cache)
