@@ -55,7 +55,9 @@ def _assert_tiers_placed(cache: ZoomCache) -> None:
             assert t.device.type == torch.device(DEVICE).type, f"layer {layer.layer_idx}: device-tier tensor on {t.device}"
         for t in tensors_in(dict(layer.host_tier)):
             assert t.device.type == "cpu", f"layer {layer.layer_idx}: host-tier tensor on {t.device}"
-            if torch.device(DEVICE).type == "cuda":
+            # Rows that travel to the device (float K/V, SVD factors, int8/int4 codes) must be page-locked;
+            # index tensors (int64/int32/bool) are only read on the host.
+            if torch.device(DEVICE).type == "cuda" and t.dtype not in (torch.int64, torch.int32, torch.bool):
                 assert t.is_pinned(), f"layer {layer.layer_idx}: host tier not pinned (no async recall)"
 
 

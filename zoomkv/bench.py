@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import time
 from typing import Any
 
 from zoomkv.data.passkey import passkey_prompt
@@ -18,6 +20,11 @@ from zoomkv.generation import generate_text
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
+
+
+def _progress(t0: float, message: str) -> None:
+    """One line on stderr per stage (stdout stays the table or the JSON), so a slow stage shows itself."""
+    print(f"[bench {time.perf_counter() - t0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def run_bench(args: Any) -> list[dict[str, Any]]:
@@ -34,9 +41,12 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         Budget.parse(b)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
+    t0 = time.perf_counter()
     random_weights = bool(getattr(args, "random_weights", False))
+    _progress(t0, f"loading {args.model}" + (" (random weights)" if random_weights else ""))
     model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device),
                                   random_weights=random_weights)
+    _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     prompt = passkey_prompt(tokenizer, args.length, depth=0.5, seed=0)
 
     configs: list[tuple[str, str | None]] = [("full", None)]
@@ -47,10 +57,12 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
 
     # warm-up: one short run per configuration so lazy initialisation is not timed
     for m, b in configs:
+        _progress(t0, f"warm-up {m}" + (f"@{b}" if b else ""))
         generate_text(model, tokenizer, prompt.text, method=m, budget=b, max_new_tokens=2, chat=False, stop_at_eos=False)
 
     samples: dict[tuple[str, str | None], list[Any]] = {c: [] for c in configs}
-    for _ in range(args.repeats):
+    for rep in range(args.repeats):
+        _progress(t0, f"repeat {rep + 1}/{args.repeats}")
         for c in configs:
             r = generate_text(model, tokenizer, prompt.text, method=c[0], budget=c[1],
                               max_new_tokens=args.new_tokens, chat=False, stop_at_eos=False)

@@ -139,7 +139,7 @@ class SeKV(KVMethod):
             memory.meta["mode"] = "exact"
             memory.device_tier["keys"], memory.device_tier["values"] = ctx.keys, ctx.values
             memory.device_tier["bias"] = _bias(valid)
-            memory.host_tier["surprisal"] = surprisal.float().clone()
+            memory.host_tier["surprisal"] = memory.to_host(surprisal.float().clone())
             return
         self._build_zoom(memory, ctx.keys, ctx.values, valid, surprisal)
 
@@ -193,7 +193,9 @@ class SeKV(KVMethod):
     def _store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v) -> None:
         memory.device_tier["sum_keys"], memory.device_tier["sum_values"] = sum_k, sum_v
         memory.device_tier["sum_count"] = count[:, None, :]  # [b, 1, S]
-        memory.host_tier.update(coef_k=coef_k, basis_k=basis_k, coef_v=coef_v, basis_v=basis_v)
+        # The SVD factors are the host tier: off the accelerator, pinned so a zoom-in copies back async.
+        memory.host_tier.update(coef_k=memory.to_host(coef_k), basis_k=memory.to_host(basis_k),
+                                coef_v=memory.to_host(coef_v), basis_v=memory.to_host(basis_v))
 
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -205,10 +207,11 @@ class SeKV(KVMethod):
         if memory.meta["mode"] == "exact":
             s = memory.host_tier["surprisal"]
             # A generated token's surprisal is unknown here: the row mean makes it neither anchor nor noise.
-            memory.host_tier["surprisal"] = torch.cat([s, s.mean(-1, keepdim=True).expand(-1, key.shape[2])], 1)
+            s = torch.cat([s, s.mean(-1, keepdim=True).expand(-1, key.shape[2])], 1)
+            memory.host_tier["surprisal"] = memory.to_host(s)
             if dev["keys"].shape[2] > memory.meta["budget"]:  # the context outgrew the budget: compress now
                 valid = dev["bias"][:, 0] == 0
-                self._build_zoom(memory, dev["keys"], dev["values"], valid, memory.host_tier["surprisal"])
+                self._build_zoom(memory, dev["keys"], dev["values"], valid, s.to(key.device))
             return
         memory.meta["tail"] += key.shape[2]
         if memory.meta["tail"] >= self.config.recent + self.config.chunk:
@@ -245,16 +248,17 @@ class SeKV(KVMethod):
 
     def _append_span(self, memory, new, n_new: torch.Tensor) -> None:
         dev, host = memory.device_tier, memory.host_tier
-        size = max(host["coef_k"].shape[3], new.coef_k.shape[3])
-        pad = [_pad_rows(t, size) for t in (host["coef_k"], new.coef_k, host["coef_v"], new.coef_v)]
         if new.sum_keys.shape[2] == 0:  # every row's chunk was padding: an empty slot keeps shapes aligned
             return
+        size = max(host["coef_k"].shape[3], new.coef_k.shape[3])
+        new_ck, new_cv, new_bk, new_bv = (t.cpu() for t in (new.coef_k, new.coef_v, new.basis_k, new.basis_v))
+        pad = [_pad_rows(t, size) for t in (host["coef_k"], new_ck, host["coef_v"], new_cv)]
         self._store_spans(
             memory,
             torch.cat([dev["sum_keys"], new.sum_keys], 2), torch.cat([dev["sum_values"], new.sum_values], 2),
             torch.cat([dev["sum_count"][:, 0], new.count], 1),
-            torch.cat([pad[0], pad[1]], 2), torch.cat([host["basis_k"], new.basis_k], 2),
-            torch.cat([pad[2], pad[3]], 2), torch.cat([host["basis_v"], new.basis_v], 2),
+            torch.cat([pad[0], pad[1]], 2), torch.cat([host["basis_k"], new_bk], 2),
+            torch.cat([pad[2], pad[3]], 2), torch.cat([host["basis_v"], new_bv], 2),
         )
 
     def _merge_last(self, memory, keys, values, new, n_new: torch.Tensor) -> None:
@@ -264,8 +268,9 @@ class SeKV(KVMethod):
         b, h = keys.shape[:2]
         ones = torch.ones(adapter.r_max, device=keys.device, dtype=keys.dtype)
         old_count = dev["sum_count"][:, 0, -1].long()  # [b]
-        old_k = reconstruct(host["coef_k"][:, :, -1], host["basis_k"][:, :, -1], ones)  # [b, h, P, d]
-        old_v = reconstruct(host["coef_v"][:, :, -1], host["basis_v"][:, :, -1], ones)
+        dev_of = keys.device
+        old_k = reconstruct(host["coef_k"][:, :, -1].to(dev_of), host["basis_k"][:, :, -1].to(dev_of), ones)
+        old_v = reconstruct(host["coef_v"][:, :, -1].to(dev_of), host["basis_v"][:, :, -1].to(dev_of), ones)
         size = int((old_count + n_new).max())
         rows_k = _pad_rows(old_k, size, dim=2).clone()
         rows_v = _pad_rows(old_v, size, dim=2).clone()
@@ -290,10 +295,10 @@ class SeKV(KVMethod):
         merged = build_spans(rows_k, rows_v, weights, spans, adapter.r_max)
         size = max(size, host["coef_k"].shape[3])
         coef_k, coef_v = _pad_rows(host["coef_k"], size).clone(), _pad_rows(host["coef_v"], size).clone()
-        coef_k[:, :, -1] = _pad_rows(merged.coef_k, size)[:, :, 0]
-        coef_v[:, :, -1] = _pad_rows(merged.coef_v, size)[:, :, 0]
+        coef_k[:, :, -1] = _pad_rows(merged.coef_k, size)[:, :, 0].cpu()
+        coef_v[:, :, -1] = _pad_rows(merged.coef_v, size)[:, :, 0].cpu()
         basis_k, basis_v = host["basis_k"].clone(), host["basis_v"].clone()
-        basis_k[:, :, -1], basis_v[:, :, -1] = merged.basis_k[:, :, 0], merged.basis_v[:, :, 0]
+        basis_k[:, :, -1], basis_v[:, :, -1] = merged.basis_k[:, :, 0].cpu(), merged.basis_v[:, :, 0].cpu()
         self._store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v)
 
     @torch.no_grad()
@@ -324,8 +329,13 @@ class SeKV(KVMethod):
         if nz[0].numel():
             bi, hi, si = nz
             gates = adapter.hard_gates(layer).to(keys.dtype)  # [h, 2, r]
-            rk = reconstruct(host["coef_k"][bi, hi, si], host["basis_k"][bi, hi, si], gates[hi, 0])  # [N, P, d]
-            rv = reconstruct(host["coef_v"][bi, hi, si], host["basis_v"][bi, hi, si], gates[hi, 1])
+            # Fetch the zoomed spans' factors from the host tier (index there, copy only what is used).
+            at = (bi.cpu(), hi.cpu(), si.cpu())
+            dev_of = keys.device
+            rk = reconstruct(host["coef_k"][at].to(dev_of, non_blocking=True),
+                             host["basis_k"][at].to(dev_of, non_blocking=True), gates[hi, 0])  # [N, P, d]
+            rv = reconstruct(host["coef_v"][at].to(dev_of, non_blocking=True),
+                             host["basis_v"][at].to(dev_of, non_blocking=True), gates[hi, 1])
             n_rows = count.long() * take
             offset = (n_rows.cumsum(-1) - n_rows)[bi, hi, si]  # [N]: where each span starts in the buffer
             j = torch.arange(rk.shape[1], device=rk.device)
