@@ -38,5 +38,5 @@ bench() {  # name, seconds, then zoomkv bench arguments
 }
 bench bench_smollm2_8k "${BENCH1_TIMEOUT:-150}" --model "$shapes/smollm2-135m" --length 8000 \
   --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 64 --repeats 3
-bench bench_llama8b_32k "${BENCH2_TIMEOUT:-200}" --model "$shapes/llama-3.1-8b" --length 32768 \
-  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 2048 --new-tokens 32 --repeats 3
+bench bench_llama8b_16k "${BENCH2_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 16384 \
+  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 32 --repeats 3
