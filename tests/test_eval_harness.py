@@ -159,7 +159,8 @@ def test_bad_input(capsys, tmp_path):
     assert "bogus" in err and "niah_multikey_3" in err and "fwe" in err
     err = _err(capsys, [*base, "--tasks", "niah_single_1", "--length", "5000"])
     assert "5000" in err and "4096" in err
-    assert "not available yet" in _err(capsys, [*base, "--adapter", "some/adapter"])
+    assert "missing-adapter" in _err(capsys, [*base, "--tasks", "niah_single_1", "--adapter",
+                                              str(tmp_path / "missing-adapter")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p", "answers": ["a"]}\n{"prompt": oops}\n')
     err = _err(capsys, [*base, "--data", str(bad)])

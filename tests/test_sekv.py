@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from zoomkv import ZoomCache
-from zoomkv.adapters.base import ModelShape, build_adapter_modules
-from zoomkv.adapters.sekv import SeKVAdapter, save_adapter
+from zoomkv.adapters.base import ModelShape, base_fingerprint, build_adapter_modules
+from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.adapters.sekv import SeKVAdapter
 from zoomkv.errors import ConfigError
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
@@ -204,10 +205,13 @@ def test_adapter_by_module_or_folder(config, tmp_path):
     with torch.no_grad():
         adapter.route_tau.add_(1.5)
     assert get_method("sekv", adapter=adapter).adapter is adapter
-    save_adapter(adapter, tmp_path / "ad")
+    ZoomAdapter.from_modules(adapter, "sekv", {**adapter.hyper()}, shape=shape,
+                             fingerprint=base_fingerprint(config, name="tiny-llama")).save_pretrained(tmp_path / "ad")
     loaded = get_method("sekv", adapter_path=str(tmp_path / "ad")).adapter
     for (k, a), (_, b) in zip(adapter.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+    with pytest.raises(ConfigError, match="no sekv adapter"):
+        get_method("sekv", adapter_path=str(tmp_path / "missing"))
     wrong = SeKVAdapter(3, H, D, proj_dim=2, share_projector=True)
     keys, values, _ = _pointed_keys()
     with pytest.raises(ConfigError, match="built for 3 layers"):

@@ -113,3 +113,13 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     ckpt = tmp_path / "a" / "sekv-tiny" / "checkpoints"
     assert all(f.stat().st_size < 200_000 for f in ckpt.rglob("*") if f.is_file())
     assert (ckpt / "step_000004" / "train_config.yaml").is_file()
+    # safetensors + JSON only: nothing a resume or an export reads is a pickle
+    assert not [f for f in ckpt.rglob("*") if f.suffix in (".pkl", ".bin", ".pt", ".pth")]
+    # the final adapter and any step checkpoint load as ZoomAdapters (and export)
+    from zoomkv.adapters.checkpoint import export_checkpoint
+    from zoomkv.adapters.model import ZoomAdapter
+
+    final = ZoomAdapter.from_pretrained(tmp_path / "a" / "sekv-tiny" / "adapter")
+    assert final.config.method == "sekv" and final.config.base_model["name"] == "tiny-llama"
+    exported = ZoomAdapter.from_pretrained(export_checkpoint(ckpt / "step_000004", tmp_path / "exported"))
+    assert exported.config.hyper == final.config.hyper

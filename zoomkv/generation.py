@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -17,6 +17,9 @@ from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import PromptError
 from zoomkv.memory import MemoryReport, ZoomCache
+
+if TYPE_CHECKING:
+    from zoomkv.methods.base import KVMethod
 
 
 @dataclass
@@ -149,17 +152,19 @@ def generate_text(
 class MethodRun:
     """One method configuration to run on a prompt: ``MethodRun("snapkv", 256, {"window": 16})``."""
 
-    method: str
+    method: str | KVMethod  # a registered name, or a method object (e.g. ``ZoomAdapter.make_method()``)
     budget: str | int | float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     kv_quant: str | None = None  # "int8" / "int4": quantize the host tier (and the device tier with "all")
     kv_quant_tiers: str = "host"
     tail_summary: bool = False  # add the softmax-tail row (recallable methods only)
+    label: str = ""  # how results name this run; default: the method's name and its options
 
-    @property
-    def label(self) -> str:
-        extra = ("+tail" if self.tail_summary else "") + (f"+{self.kv_quant}" if self.kv_quant else "")
-        return self.method + extra
+    def __post_init__(self) -> None:
+        if not self.label:
+            name = self.method if isinstance(self.method, str) else self.method.name
+            extra = ("+tail" if self.tail_summary else "") + (f"+{self.kv_quant}" if self.kv_quant else "")
+            self.label = name + extra
 
 
 @torch.inference_mode()

@@ -31,13 +31,22 @@ META_NAME = "adapter_meta.json"
 META_REQUIRED = ("method", "hyper", "base_model", "shape")
 
 
+def checkpoint_files(modules: torch.nn.Module, *, method: str, hyper: dict[str, Any], base_model: dict[str, Any],
+                     shape: ModelShape, budget: str | int | float | None = None,
+                     extra: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """The two files of a checkpoint (name → bytes), for callers that add files of their own (the trainer
+    adds its optimizer state) before writing the folder atomically."""
+    meta = {"method": method, "hyper": hyper, "base_model": base_model, "shape": shape.to_dict(),
+            "budget": budget, **(extra or {})}
+    return {STATE_NAME: tensors_to_bytes(module_tensors(modules)),
+            META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
+
+
 def write_checkpoint(folder: str | Path, modules: torch.nn.Module, *, method: str, hyper: dict[str, Any],
                      base_model: dict[str, Any], shape: ModelShape, budget: str | int | float | None = None,
                      extra: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
-    meta = {"method": method, "hyper": hyper, "base_model": base_model, "shape": shape.to_dict(),
-            "budget": budget, **(extra or {})}
-    files = {STATE_NAME: tensors_to_bytes(module_tensors(modules)),
-             META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
+    files = checkpoint_files(modules, method=method, hyper=hyper, base_model=base_model, shape=shape,
+                             budget=budget, extra=extra)
     return write_folder_atomically(folder, files, overwrite=overwrite)
 
 

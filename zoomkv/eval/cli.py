@@ -3,6 +3,7 @@
     zoomkv eval --model smollm2-135m --methods snapkv,oracle_topk --budgets 128,512 \\
         --tasks niah_single_1,vt --length 4096 --samples 8 --out runs/eval
     zoomkv eval --model smollm2-135m --methods quest --budgets 256 --grid-lengths 1024,2048,4096 --out runs/grid
+    zoomkv eval --model smollm2-135m --adapter checkpoints/sekv-smollm2 --methods quest --budgets 256 --out runs/adapter
     zoomkv eval --list-tasks
 """
 
@@ -52,8 +53,6 @@ def parse_method_args(items: list[str] | None) -> dict[str, dict[str, Any]]:
 def config_from_args(args: argparse.Namespace) -> Any:
     from zoomkv.eval.harness import EvalConfig
 
-    if args.adapter:
-        raise ZoomKVError(f"--adapter {args.adapter}: trained adapters are not available yet in zoomkv eval")
     if not args.out:
         raise ZoomKVError("give the output folder with --out DIR")
     lengths = _ints(args.length, "--length")
@@ -67,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
         haystack_dir=args.haystack_dir, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
         grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_method_args(args.method_args),
+        adapters=[a for group in args.adapter or [] for a in _split(group)],
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
         plots=not args.no_plots, progress=not args.quiet, threads=args.threads,
@@ -131,7 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
     p.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",
                    help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
-    p.add_argument("--adapter", help="a trained adapter (not available yet)")
+    p.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
+                   help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
+                        "(its own budget when none); repeatable")
     p.add_argument("--batch-size", type=int, default=1, help="prompts prefilled and decoded together")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators")
     p.add_argument("--chat", choices=["auto", "on", "off"], default="off",

@@ -43,6 +43,7 @@ class EvalConfig:
     grid_lengths: list[int] = field(default_factory=list)
     grid_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     method_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    adapters: list[str] = field(default_factory=list)  # adapter folders or Hub ids, each evaluated as a method
     batch_size: int = 1
     seed: int = 0
     chat: bool | None = False
@@ -62,10 +63,37 @@ class RunSpec:
     budget: str | None
     kwargs: dict[str, Any]
     args: str  # the kwargs as text, part of a row's identity
+    adapter: Any = field(default=None, compare=False)  # a ZoomAdapter: its method runs with its modules
 
     def to_method_run(self) -> MethodRun:
+        if self.adapter is not None:
+            return MethodRun(self.adapter.make_method(**self.kwargs), self.budget, label=self.method)
         base, options = split_variants(self.method)
         return MethodRun(base, self.budget, dict(self.kwargs), **options)
+
+
+def adapter_label(adapter: Any, source: str) -> str:
+    """How an adapter's rows are labelled: its method, the folder name or Hub id it came from, and the
+    start of its weights' checksum (so a retrained adapter in the same folder makes new rows)."""
+    name = Path(source).name if Path(source).exists() else source
+    return f"{adapter.config.method}:{name}@{(adapter.config.weights_sha256 or 'unsigned')[:8]}"
+
+
+def adapter_runs(cfg: EvalConfig, budgets: list[str]) -> list[RunSpec]:
+    """One run per adapter and budget (the adapter's own budget when --budgets is empty)."""
+    from zoomkv.adapters.model import ZoomAdapter
+
+    runs = []
+    for source in dict.fromkeys(cfg.adapters):
+        adapter = ZoomAdapter.from_pretrained(source)  # errors (missing, corrupt, offline) before the model loads
+        label = adapter_label(adapter, source)
+        own = [str(Budget.parse(adapter.config.budget))] if adapter.config.budget is not None else []
+        chosen = budgets or own
+        if not chosen:
+            raise ZoomKVError(f"adapter {source!r} records no budget: give --budgets")
+        for b in chosen:
+            runs.append(RunSpec(label, b, {}, "", adapter))
+    return runs
 
 
 # Runtime options any method label can carry: "+tail" (softmax-tail row, recallable methods), "+int8"/"+int4"
@@ -109,6 +137,7 @@ def method_runs(cfg: EvalConfig) -> list[RunSpec]:
         raise ZoomKVError(f"--method-args names method(s) {', '.join(unknown)} that are not in --methods")
     budgets = [str(Budget.parse(b)) for b in dict.fromkeys(cfg.budgets)]
     runs = []
+    adapters = adapter_runs(cfg, budgets) if cfg.adapters else []
     for name in methods:
         kwargs = cfg.method_args.get(name, {})
         base, options = split_variants(name)
@@ -125,7 +154,7 @@ def method_runs(cfg: EvalConfig) -> list[RunSpec]:
             if parsed is not None and parsed.rows is not None:
                 method.check_budget(parsed.rows)
             runs.append(RunSpec(name, b, kwargs, _args_text(kwargs)))
-    return runs
+    return runs + adapters
 
 
 def prepare(cfg: EvalConfig) -> Prepared:
@@ -225,6 +254,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     check_lengths(cfg, model_max, cfg.model)
     for run in prep.runs:
         Budget.parse(run.budget, max_rows=model_max)
+        if run.adapter is not None:
+            run.adapter.attach(model)  # refuses another base model, naming both fingerprints
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
@@ -269,5 +300,6 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     header = {"model": cfg.model, "command": cfg.command, "chat": fmt.chat, "seed": cfg.seed,
               "samples": cfg.samples, "lengths": ",".join(map(str, cfg.lengths)), "batch_size": cfg.batch_size,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}}
-    write_outputs(store.rows, store.out, header, cfg.methods, plots=cfg.plots)
+    labels = cfg.methods + [r.method for r in prep.runs if r.adapter is not None]
+    write_outputs(store.rows, store.out, header, list(dict.fromkeys(labels)), plots=cfg.plots)
     return store.rows

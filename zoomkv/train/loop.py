@@ -6,12 +6,14 @@
 1. resolve the recipe (errors before any model loads), size the adapter, refuse it over the limit;
 2. generate the synthetic samples and extract the teacher signals once (cached safetensors);
 3. train the adapter from the cache: each step one sample (length curriculum) and a few layers;
-4. checkpoint adapter-only state (weights, optimizer, RNG, step) every ``save_every`` steps and export the
-   adapter folder at the end, with the resolved recipe next to it.
+4. checkpoint adapter-only state (weights, optimizer moments, step) every ``save_every`` steps and write
+   the adapter folder (``ZoomAdapter`` format, loadable by ``--adapter``) at the end, recipe next to it.
 
-Resuming (``resume=latest``) restores the exact state: the data position and the per-step randomness are
-pure functions of (seed, step), and the RNG states are saved anyway, so a run killed with SIGKILL and
-resumed gives bitwise the adapter of an uninterrupted run (CPU, same seed).
+Checkpoints are safetensors + JSON only (no pickle, unlike ``accelerator.save_state``), each written to a
+temporary folder and renamed. Resuming (``resume=latest``) restores the exact state: the data position and
+every random draw are pure functions of (seed, step), so a run killed with SIGKILL and resumed gives
+bitwise the adapter of an uninterrupted run (CPU, same seed). A step checkpoint is also a valid
+``zoomkv export`` input.
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from zoomkv.adapters.base import ModelShape
-from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter, save_adapter
+from zoomkv.adapters.base import ModelShape, base_fingerprint
+from zoomkv.adapters.checkpoint import STATE_NAME, checkpoint_files
+from zoomkv.adapters.export import write_folder_atomically
+from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter
+from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
 from zoomkv.errors import ConfigError
 from zoomkv.methods.sekv import SeKVConfig
 from zoomkv.train.config import TrainConfig, save_resolved
@@ -92,17 +98,8 @@ def dry_run(cfg: TrainConfig) -> float:
     return fraction
 
 
-class TrainState:
-    """What a checkpoint needs besides weights and optimizer: the step (the data position follows from it)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
+OPTIMIZER_NAME = "optimizer.safetensors"
+TRAINER_NAME = "trainer_state.json"
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -110,17 +107,50 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> None:
-    """Written to a temporary folder then renamed, with a DONE marker last: a kill mid-save leaves the
-    previous checkpoint as ``latest``."""
-    final = run_dir / "checkpoints" / f"step_{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.save_state(str(tmp))
-    save_resolved(cfg, tmp)
-    (tmp / "DONE").write_text(str(step))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+def adapter_hyper(adapter: SeKVAdapter, cfg: TrainConfig) -> dict[str, Any]:
+    """What rebuilds these modules (their exact sizes) and runs the method (its span settings)."""
+    return {**cfg.method_kwargs(), **adapter.hyper(), "init_seed": cfg.seed}
+
+
+def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: SeKVAdapter, optimizer: Any,
+                    shape: ModelShape, fingerprint: dict[str, Any]) -> None:
+    """One folder, written whole then renamed (a kill mid-save leaves the previous one as ``latest``):
+    the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe."""
+    files = checkpoint_files(adapter, method="sekv", hyper=adapter_hyper(adapter, cfg), base_model=fingerprint,
+                             shape=shape, budget=cfg.budget, extra={"step": step})
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{index}.{key}"] = value
+    files[OPTIMIZER_NAME] = tensors_to_bytes(tensors)
+    trainer = {"step": step, "param_groups": state["param_groups"], "optimizer_scalars": scalars}
+    files[TRAINER_NAME] = (json.dumps(trainer, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    files["train_config.yaml"] = yaml.safe_dump(cfg.to_dict(), sort_keys=True).encode("utf-8")
+    files["DONE"] = str(step).encode()
+    write_folder_atomically(run_dir / "checkpoints" / f"step_{step:06d}", files, overwrite=True)
+
+
+def load_checkpoint_state(folder: Path, adapter: SeKVAdapter, optimizer: Any) -> int:
+    """Restore the adapter weights and optimizer moments saved by ``save_checkpoint``; returns the step."""
+    try:
+        trainer = json.loads((folder / TRAINER_NAME).read_text(encoding="utf-8"))
+        step = int(trainer["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{folder} is not a training checkpoint of this trainer ({err})") from err
+    load_into(adapter, read_weights(folder / STATE_NAME), source=str(folder / STATE_NAME))
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in read_weights(folder / OPTIMIZER_NAME).items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    for name, value in trainer.get("optimizer_scalars", {}).items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": trainer["param_groups"]})
+    return step
 
 
 def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: list[int], cfg: TrainConfig,
@@ -199,28 +229,28 @@ def train(cfg: TrainConfig) -> Path:
     optimizer = torch.optim.AdamW([{"params": others, "lr": cfg.lr}, {"params": projector, "lr": cfg.proj_lr}],
                                   weight_decay=cfg.weight_decay)
     adapter, optimizer = accelerator.prepare(adapter, optimizer)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    raw = accelerator.unwrap_model(adapter)
+    fingerprint = base_fingerprint(model, name=cfg.model)
+    start_step = 0
     resume = latest_checkpoint(run_dir) if cfg.resume == "latest" else (Path(cfg.resume) if cfg.resume else None)
     if cfg.resume and cfg.resume != "latest" and (resume is None or not resume.is_dir()):
         raise ConfigError(f"recipe key 'resume': checkpoint folder not found: {cfg.resume}")
     if resume is not None:
-        accelerator.load_state(str(resume))
-        say(f"resumed from {resume} at step {state.step}")
+        start_step = load_checkpoint_state(resume, raw, optimizer)
+        say(f"resumed from {resume} at step {start_step}")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, run_dir)
     if log_with:
         accelerator.init_trackers("tb", config={k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)})
 
-    raw = accelerator.unwrap_model(adapter)
     layers_all = list(range(raw.num_layers))
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process)
     t0 = time.time()
-    while state.step < cfg.steps:
-        step = state.step + 1
+    for step in range(start_step + 1, cfg.steps + 1):
         # Per-step randomness from (seed, step, process): resume needs nothing but the step number.
         rng = random.Random(cfg.seed * 7919 + step * 31 + accelerator.process_index)
+        torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + accelerator.process_index)
         index = curriculum_index(step * accelerator.num_processes + accelerator.process_index,
                                  cfg.steps * accelerator.num_processes, len(paths), cfg.seed)
         sample = load_sample(paths[index])
@@ -233,7 +263,6 @@ def train(cfg: TrainConfig) -> Path:
                 accelerator.clip_grad_norm_(adapter.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        state.step = step
         bar.update(1)
         if logs and (step % cfg.log_every == 0 or step == 1):
             bar.set_postfix(loss=f"{logs['loss']:.4f}")
@@ -243,14 +272,17 @@ def train(cfg: TrainConfig) -> Path:
                 accelerator.log({f"train/{k}": v for k, v in logs.items()}, step=step)
         if step % cfg.save_every == 0 or step == cfg.steps:
             accelerator.wait_for_everyone()
-            save_checkpoint(accelerator, run_dir, step, cfg)
+            if accelerator.is_main_process:
+                save_checkpoint(run_dir, step, cfg, raw, optimizer, shape, fingerprint)
+            accelerator.wait_for_everyone()
         if cfg.kill_at_step and step == cfg.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
     bar.close()
     out = run_dir / "adapter"
     if accelerator.is_main_process:
-        save_adapter(raw, out, extra={"base_model": cfg.model, "budget": cfg.budget, "method_config": cfg.method_kwargs(),
-                                      "steps": cfg.steps})
+        exported = ZoomAdapter.from_modules(raw, "sekv", adapter_hyper(raw, cfg), shape=shape,
+                                            fingerprint=fingerprint, budget=cfg.budget)
+        exported.save_pretrained(out, overwrite=True)
         save_resolved(cfg, out)
         say(f"adapter saved to {out}")
         if cfg.eval_samples:

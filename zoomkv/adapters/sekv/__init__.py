@@ -17,7 +17,6 @@ Layers are indexed by their position among the model's full-attention layers (``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,6 @@ from zoomkv.errors import ConfigError
 
 DEFAULT_R_MAX = 32
 DEFAULT_MAX_FRACTION = 0.0005
-WEIGHTS_NAME = "adapter_model.safetensors"
-CONFIG_NAME = "adapter_config.json"
 
 
 class SeKVAdapter(nn.Module):
@@ -103,31 +100,16 @@ def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
                        seed=int(hyper.get("init_seed", 0)))
 
 
-def save_adapter(adapter: SeKVAdapter, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Adapter-only: ``adapter_config.json`` (the module's sizes + ``extra``) and ``adapter_model.safetensors``."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"method": "sekv", "modules": adapter.hyper(), **(extra or {})}
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
-    save_file({k: v.detach().contiguous().cpu() for k, v in adapter.state_dict().items()}, str(folder / WEIGHTS_NAME))
-    return folder
-
-
 def load_adapter(folder: str | Path) -> SeKVAdapter:
-    """Rebuild a ``SeKVAdapter`` from a folder written by ``save_adapter`` (safetensors only; nothing executes)."""
-    from safetensors.torch import load_file
+    """The ``SeKVAdapter`` of an adapter folder (``ZoomAdapter.save_pretrained`` / ``zoomkv export``, or the
+    trainer's ``adapter/``) or of a training checkpoint (``checkpoints/step_N``); safetensors + JSON only."""
+    from zoomkv.adapters.checkpoint import load_checkpoint
+    from zoomkv.adapters.errors import AdapterError
 
-    folder = Path(folder)
-    cfg_path, weights = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    if not cfg_path.is_file() or not weights.is_file():
-        raise ConfigError(f"no sekv adapter in {folder}: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
-    config = json.loads(cfg_path.read_text())
-    if config.get("method") != "sekv":
-        raise ConfigError(f"{folder} holds an adapter for method {config.get('method')!r}, not 'sekv'")
-    m = config["modules"]
-    adapter = SeKVAdapter(m["num_layers"], m["kv_heads"], m["head_dim"], proj_dim=m["proj_dim"],
-                          share_projector=m["share_projector"], r_max=m["r_max"])
-    adapter.load_state_dict(load_file(str(weights)))
-    return adapter
+    try:
+        adapter = load_checkpoint(folder)
+    except AdapterError as err:
+        raise ConfigError(f"no sekv adapter in {folder}: {err}") from err
+    if adapter.config.method != "sekv":
+        raise ConfigError(f"{folder} holds an adapter for method {adapter.config.method!r}, not 'sekv'")
+    return adapter.modules
