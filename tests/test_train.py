@@ -123,3 +123,34 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     assert final.config.method == "sekv" and final.config.base_model["name"] == "tiny-llama"
     exported = ZoomAdapter.from_pretrained(export_checkpoint(ckpt / "step_000004", tmp_path / "exported"))
     assert exported.config.hyper == final.config.hyper
+
+
+def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
+    """`accelerate launch --config_file recipes/accelerate/multi_cpu.yaml`: two gloo processes train one adapter."""
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(ROOT / "recipes" / "accelerate" / "multi_cpu.yaml"), "-m", "zoomkv.train", "--recipe", str(TINY),
+            f"output_dir={tmp_path}", f"teacher_cache={tmp_path / 'teacher'}", "num_samples=2",
+            "queries_per_sample=3", "steps=4", "save_every=2"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es), multi_cpu" in done.stdout
+    assert "all 2 processes hold the same adapter" in done.stdout  # gradients were averaged every step
+    from zoomkv.adapters.model import ZoomAdapter
+
+    adapter = ZoomAdapter.from_pretrained(tmp_path / "sekv-tiny" / "adapter")
+    assert not torch.equal(adapter.modules.route_tau, torch.full_like(adapter.modules.route_tau, -7.0))
+    assert (tmp_path / "sekv-tiny" / "checkpoints" / "step_000004" / "DONE").is_file()
+
+
+def test_tensorboard_logs_the_losses(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    done = _run(tmp_path, "tb", "tensorboard=true", "steps=3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = sorted((tmp_path / "tb" / "sekv-tiny" / "tb").glob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    assert "train/loss" in acc.Tags()["scalars"]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]

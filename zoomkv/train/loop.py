@@ -153,6 +153,29 @@ def load_checkpoint_state(folder: Path, adapter: SeKVAdapter, optimizer: Any) ->
     return step
 
 
+def average_gradients(accelerator: Any, prepared: Any, adapter: torch.nn.Module) -> None:
+    """Mean of the gradients over processes. The loss calls the adapter's methods, not its forward, so
+    DDP's hooks never fire: without this every process would train its own copy."""
+    if accelerator.num_processes == 1 or not isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+        return  # one process, or an engine (DeepSpeed) that reduces gradients itself
+    for p in adapter.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # every process must join every all-reduce
+        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+        p.grad.div_(accelerator.num_processes)
+
+
+def check_processes_agree(accelerator: Any, adapter: torch.nn.Module) -> None:
+    """Every process must end with the same adapter (same init, same averaged steps); say so or fail."""
+    if accelerator.num_processes == 1:
+        return
+    mine = torch.cat([p.detach().flatten() for p in adapter.parameters()])[None]
+    every = accelerator.gather(mine)
+    if not torch.equal(every.amin(0), every.amax(0)):
+        raise RuntimeError("the training processes ended with different adapters (gradients not synchronised)")
+    accelerator.print(f"all {accelerator.num_processes} processes hold the same adapter")
+
+
 def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: list[int], cfg: TrainConfig,
               mcfg: SeKVConfig, step: int) -> tuple[torch.Tensor, dict[str, float]]:
     all_layers = sample["layers"].tolist()
@@ -197,8 +220,11 @@ def train(cfg: TrainConfig) -> Path:
 
             log_with = "tensorboard"
         except ImportError:
-            pass
-    accelerator = Accelerator(log_with=log_with, project_dir=str(run_dir))
+            print("tensorboard is not installed: logging to the console only "
+                  "(pip install 'zoomkv[train]', or set tensorboard: false in the recipe)")
+    # cpu=True without CUDA: processes started by torchrun (accelerate's multi-process launcher) then join
+    # over gloo as MULTI_CPU instead of each training alone.
+    accelerator = Accelerator(log_with=log_with, project_dir=str(run_dir), cpu=not torch.cuda.is_available())
     say = accelerator.print
     set_seed(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -210,6 +236,7 @@ def train(cfg: TrainConfig) -> Path:
     shape = ModelShape.from_model(model)
     adapter = build_adapter(cfg, shape)
     check_fraction(adapter, shape, cfg, log=say)
+    say(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value.lower()}, {accelerator.device}")
     mcfg = SeKVConfig(**cfg.method_kwargs())
 
     # -- teacher signals, once (main process), then everyone reads the cache
@@ -256,13 +283,13 @@ def train(cfg: TrainConfig) -> Path:
         sample = load_sample(paths[index])
         k = cfg.layers_per_step or len(layers_all)
         layers = sorted(rng.sample(sample["layers"].tolist(), min(k, len(layers_all))))
-        with accelerator.accumulate(adapter):
-            loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
-            accelerator.backward(loss)
-            if cfg.grad_clip > 0:
-                accelerator.clip_grad_norm_(adapter.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
+        accelerator.backward(loss)
+        average_gradients(accelerator, adapter, raw)
+        if cfg.grad_clip > 0:
+            accelerator.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         if logs and (step % cfg.log_every == 0 or step == 1):
             bar.set_postfix(loss=f"{logs['loss']:.4f}")
@@ -278,6 +305,7 @@ def train(cfg: TrainConfig) -> Path:
         if cfg.kill_at_step and step == cfg.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
     bar.close()
+    check_processes_agree(accelerator, raw)
     out = run_dir / "adapter"
     if accelerator.is_main_process:
         exported = ZoomAdapter.from_modules(raw, "sekv", adapter_hyper(raw, cfg), shape=shape,
