@@ -38,6 +38,11 @@ class TrainConfig:
     min_span: int = 4
     max_span: int = 32
     resident_fraction: float = 0.5
+    # semantic_id's projector (method: semantic_id): its size, and the ID it is trained to hash into
+    sem_dim: int = 16
+    sem_hidden: int = 32
+    id_bits: int = 6
+    pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
     # data (synthetic, generated offline with the model's tokenizer)
     tasks: str = "passkey,kv,vartrack"
     num_samples: int = 16
@@ -89,7 +94,7 @@ class TrainConfig:
 
 
 TASKS = ("passkey", "kv", "vartrack")
-CHOICES: dict[str, tuple[Any, ...]] = {"method": ("sekv",), "proj_dim": ("auto",), "share_projector": ("auto",)}
+CHOICES: dict[str, tuple[Any, ...]] = {"method": ("sekv", "semantic_id"), "proj_dim": ("auto",), "share_projector": ("auto",)}
 FILE_KEYS = ("init_adapter",)
 
 

@@ -37,6 +37,7 @@ from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter
 from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
 from zoomkv.errors import ConfigError
 from zoomkv.methods.sekv import SeKVConfig
+from zoomkv.train import semantic
 from zoomkv.train.config import TrainConfig, save_resolved
 from zoomkv.train.data import curriculum_index, make_samples
 from zoomkv.train.student import position_losses, ramp, rank_regulariser
@@ -62,7 +63,14 @@ def shape_without_weights(name: str) -> ModelShape:
     return ModelShape.from_config(config, sum(p.numel() for p in model.parameters()))
 
 
-def build_adapter(cfg: TrainConfig, shape: ModelShape) -> SeKVAdapter:
+def build_adapter(cfg: TrainConfig, shape: ModelShape) -> torch.nn.Module:
+    """The modules to train: sekv's adapter, or semantic_id's projector (its PCA start needs the cache)."""
+    if cfg.method == "semantic_id":
+        if cfg.init_adapter:
+            from zoomkv.adapters.checkpoint import load_checkpoint
+
+            return load_checkpoint(cfg.init_adapter).modules
+        return semantic.build_projector(cfg, shape.head_dim)
     if cfg.init_adapter:
         return load_adapter(cfg.init_adapter)
     return build_sekv_modules(shape, {**cfg.adapter_hyper(), "init_seed": cfg.seed})
@@ -92,7 +100,7 @@ def dry_run(cfg: TrainConfig) -> float:
         shape = ModelShape.from_model(model)
     adapter = build_adapter(cfg, shape)
     print(f"model {cfg.model}: {shape.num_layers} layers ({len(shape.full_attention_layers)} compressed), "
-          f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; adapter {adapter.hyper()}")
+          f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; adapter {adapter_hyper(adapter, cfg)}")
     fraction = check_fraction(adapter, shape, cfg)
     print(f"trainable_fraction={fraction:.6g}")
     return fraction
@@ -107,8 +115,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def adapter_hyper(adapter: SeKVAdapter, cfg: TrainConfig) -> dict[str, Any]:
-    """What rebuilds these modules (their exact sizes) and runs the method (its span settings)."""
+def adapter_hyper(adapter: torch.nn.Module, cfg: TrainConfig) -> dict[str, Any]:
+    """What rebuilds these modules (their exact sizes) and runs the method (its settings)."""
+    if cfg.method == "semantic_id":
+        return semantic.hyper(adapter, cfg)
     return {**cfg.method_kwargs(), **adapter.hyper(), "init_seed": cfg.seed}
 
 
@@ -116,7 +126,7 @@ def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: SeKVAda
                     shape: ModelShape, fingerprint: dict[str, Any]) -> None:
     """One folder, written whole then renamed (a kill mid-save leaves the previous one as ``latest``):
     the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe."""
-    files = checkpoint_files(adapter, method="sekv", hyper=adapter_hyper(adapter, cfg), base_model=fingerprint,
+    files = checkpoint_files(adapter, method=cfg.method, hyper=adapter_hyper(adapter, cfg), base_model=fingerprint,
                              shape=shape, budget=cfg.budget, extra={"step": step})
     state = optimizer.state_dict()
     tensors, scalars = {}, {}
@@ -237,7 +247,7 @@ def train(cfg: TrainConfig) -> Path:
     adapter = build_adapter(cfg, shape)
     check_fraction(adapter, shape, cfg, log=say)
     say(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value.lower()}, {accelerator.device}")
-    mcfg = SeKVConfig(**cfg.method_kwargs())
+    mcfg = semantic.method_config(cfg) if cfg.method == "semantic_id" else SeKVConfig(**cfg.method_kwargs())
 
     # -- teacher signals, once (main process), then everyone reads the cache
     tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
@@ -251,10 +261,16 @@ def train(cfg: TrainConfig) -> Path:
     accelerator.wait_for_everyone()
     paths = sorted(cfg.cache_dir.glob("sample_*.safetensors"))[: cfg.num_samples]
 
-    projector = [p for n, p in adapter.named_parameters() if n.startswith("proj_")]
-    others = [p for n, p in adapter.named_parameters() if not n.startswith("proj_")]
-    optimizer = torch.optim.AdamW([{"params": others, "lr": cfg.lr}, {"params": projector, "lr": cfg.proj_lr}],
-                                  weight_decay=cfg.weight_decay)
+    if cfg.method == "semantic_id":
+        if not cfg.init_adapter:  # every process computes the same PCA start from the same cache
+            semantic.init_from_cache(adapter, paths, seed=cfg.seed)
+        fresh_metrics = semantic.pair_metrics(adapter, paths[-2:], cfg)
+        groups = [{"params": list(adapter.parameters()), "lr": cfg.lr}]
+    else:
+        projector = [p for n, p in adapter.named_parameters() if n.startswith("proj_")]
+        others = [p for n, p in adapter.named_parameters() if not n.startswith("proj_")]
+        groups = [{"params": others, "lr": cfg.lr}, {"params": projector, "lr": cfg.proj_lr}]
+    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     adapter, optimizer = accelerator.prepare(adapter, optimizer)
     raw = accelerator.unwrap_model(adapter)
     fingerprint = base_fingerprint(model, name=cfg.model)
@@ -271,7 +287,6 @@ def train(cfg: TrainConfig) -> Path:
     if log_with:
         accelerator.init_trackers("tb", config={k: v for k, v in cfg.to_dict().items() if isinstance(v, int | float | str | bool)})
 
-    layers_all = list(range(raw.num_layers))
     bar = tqdm(total=cfg.steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process)
     t0 = time.time()
     for step in range(start_step + 1, cfg.steps + 1):
@@ -281,9 +296,12 @@ def train(cfg: TrainConfig) -> Path:
         index = curriculum_index(step * accelerator.num_processes + accelerator.process_index,
                                  cfg.steps * accelerator.num_processes, len(paths), cfg.seed)
         sample = load_sample(paths[index])
-        k = cfg.layers_per_step or len(layers_all)
-        layers = sorted(rng.sample(sample["layers"].tolist(), min(k, len(layers_all))))
-        loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
+        layers_all = sample["layers"].tolist()
+        layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
+        if cfg.method == "semantic_id":
+            loss, logs = semantic.step_loss(raw, sample, layers, mcfg, cfg.pair_rows, rng.randrange(2**31))
+        else:
+            loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
         accelerator.backward(loss)
         average_gradients(accelerator, adapter, raw)
         if cfg.grad_clip > 0:
@@ -308,11 +326,15 @@ def train(cfg: TrainConfig) -> Path:
     check_processes_agree(accelerator, raw)
     out = run_dir / "adapter"
     if accelerator.is_main_process:
-        exported = ZoomAdapter.from_modules(raw, "sekv", adapter_hyper(raw, cfg), shape=shape,
+        exported = ZoomAdapter.from_modules(raw, cfg.method, adapter_hyper(raw, cfg), shape=shape,
                                             fingerprint=fingerprint, budget=cfg.budget)
         exported.save_pretrained(out, overwrite=True)
         save_resolved(cfg, out)
         say(f"adapter saved to {out}")
+        if cfg.method == "semantic_id":  # pair collisions on the last cached samples, before and after
+            pairs = {"fresh": fresh_metrics, "trained": semantic.pair_metrics(raw, paths[-2:], cfg)}
+            (run_dir / "pairs.json").write_text(json.dumps(pairs, indent=2))
+            say("pairs " + json.dumps(pairs))
         if cfg.eval_samples:
             scores = evaluate(model, tokenizer, cfg, raw)
             (run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
@@ -349,8 +371,9 @@ def answer_scores(model, tokenizer, texts: list[tuple[str, str]], method: Any, b
     return {"kl": sum(kls) / n, "accuracy": sum(hits) / n, "full_accuracy": sum(full_hits) / n}
 
 
-def evaluate(model, tokenizer, cfg: TrainConfig, adapter: SeKVAdapter) -> dict[str, Any]:
+def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> dict[str, Any]:
     """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one."""
+    from zoomkv.methods import get_method
     from zoomkv.methods.sekv import SeKV
 
     tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
@@ -361,5 +384,10 @@ def evaluate(model, tokenizer, cfg: TrainConfig, adapter: SeKVAdapter) -> dict[s
         texts.append((s.text[:cut].rstrip(" "), " " + s.answer))
     out: dict[str, Any] = {"budget": cfg.budget, "samples": len(texts)}
     for name, ad in (("fresh", None), ("trained", adapter)):
-        out[name] = answer_scores(model, tokenizer, texts, SeKV(adapter=ad, **cfg.method_kwargs()), cfg.budget)
+        if cfg.method == "semantic_id":
+            method = get_method("semantic_id", **{k: v for k, v in semantic.hyper(adapter, cfg).items()})
+            method.attach_adapter(ad)  # None: the per-sequence PCA start the method uses untrained
+        else:
+            method = SeKV(adapter=ad, **cfg.method_kwargs())
+        out[name] = answer_scores(model, tokenizer, texts, method, cfg.budget)
     return out

@@ -1,0 +1,131 @@
+"""Training ``semantic_id``'s projector from the same teacher cache as sekv.
+
+The projector decides the semantic ID (SimHash of its output), and tokens may only merge when their IDs
+match. So it is trained to make two rows collide exactly when merging them is *attention-equivalent* for
+the teacher: under every cached teacher query of their KV head's group that sees both rows, their logits
+differ by at most σ* (the logit spread at which ``semantic_id``'s match equals its recall threshold,
+``1/cosh(σ*) = recall_threshold``: ln 2 for the default 0.8), and their values are at least
+``value_threshold`` cosine-similar (what the merge test itself demands of V).
+
+Per step and layer: a seeded sample of rows every query sees, all pairs among them, the teacher's label per
+pair, and the student's collision probability ``(1 - θ/π)^id_bits`` (θ: the angle between the two
+semantic vectors; SimHash with ``id_bits`` random hyperplanes collides with exactly that probability).
+Loss: class-balanced binary cross-entropy. The start is the PCA of cached K‖V rows (similarity-preserving,
+deterministic), as the method uses without training.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zoomkv.adapters.semantic_projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.methods.semantic_id import SemanticIDConfig
+from zoomkv.train.teacher import load_sample
+
+METHOD_KEYS = ("sem_dim", "hidden", "id_bits", "key_threshold", "value_threshold", "recall_threshold")
+
+
+def method_config(cfg: Any) -> SemanticIDConfig:
+    """The method's settings the projector is trained for (recipe keys prefixed ``sem_`` where ambiguous)."""
+    return SemanticIDConfig(sem_dim=cfg.sem_dim, hidden=cfg.sem_hidden, id_bits=cfg.id_bits)
+
+
+def build_projector(cfg: Any, head_dim: int) -> SemanticProjector:
+    """A projector of the recipe's size (block-pooling init: the PCA start needs the teacher cache)."""
+    return SemanticProjector(head_dim, cfg.sem_dim, cfg.sem_hidden)
+
+
+@torch.no_grad()
+def init_from_cache(projector: SemanticProjector, paths: list[Path], *, rows_per_layer: int = 512,
+                    seed: int = 0) -> SemanticProjector:
+    """PCA of K‖V rows from the cached samples (every layer and KV head, a seeded subsample of each)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for path in paths[:8]:
+        sample = load_sample(path)
+        for layer in sample["layers"].tolist():
+            x = semantic_input(sample[f"k.{layer}"], sample[f"v.{layer}"]).reshape(-1, projector.in_dim)
+            take = torch.randperm(x.shape[0], generator=g)[:rows_per_layer]
+            rows.append(x[take])
+    mean, basis = pca_basis(torch.cat(rows), None, projector.sem_dim)
+    return projector.load_pca(mean, basis)
+
+
+def pair_targets(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, scaling: float,
+                 sigma: float, value_threshold: float) -> torch.Tensor:
+    """``[S, S]`` bool: rows i and j are attention-equivalent for every query (``[Q, d]``) and their values
+    at least ``value_threshold`` cosine-similar. ``keys``/``values``: ``[S, d]``."""
+    logits = scaling * (queries.float() @ keys.float().T)  # [Q, S]
+    gap = (logits[:, :, None] - logits[:, None, :]).abs().amax(0)  # [S, S]
+    v = F.normalize(values.float(), dim=-1)
+    return (gap <= sigma) & (v @ v.T >= value_threshold)
+
+
+def collision_probability(sem: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[S, s]`` semantic vectors → ``[S, S]`` probability that SimHash with ``bits`` planes collides."""
+    unit = F.normalize(sem, dim=-1)
+    cos = (unit @ unit.T).clamp(-1 + 1e-6, 1 - 1e-6)
+    return (1 - torch.arccos(cos) / math.pi) ** bits
+
+
+def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], layers: list[int], mcfg: SemanticIDConfig,
+              rows: int, seed: int) -> tuple[torch.Tensor, dict[str, float]]:
+    sigma = math.acosh(1.0 / mcfg.recall_threshold)
+    scaling = float(sample["scaling"])
+    first_query = int(sample["positions"].min())
+    sinks = mcfg.num_sinks
+    g = torch.Generator().manual_seed(seed)
+    losses, pos_rates, neg_rates, pos_share = [], [], [], []
+    for layer in layers:
+        keys, values, queries = sample[f"k.{layer}"], sample[f"v.{layer}"], sample[f"q.{layer}"]
+        kv_heads, q_heads = keys.shape[0], queries.shape[0]
+        group = q_heads // kv_heads
+        visible = first_query - sinks  # rows every cached query sees (sinks never merge)
+        if visible < 4:
+            continue
+        idx = sinks + torch.randperm(visible, generator=g)[:rows]
+        off_diag = ~torch.eye(len(idx), dtype=torch.bool)
+        for h in range(kv_heads):
+            k, v = keys[h, idx], values[h, idx]
+            q = queries[h * group : (h + 1) * group].reshape(-1, queries.shape[-1])
+            target = pair_targets(k, v, q, scaling, sigma, mcfg.value_threshold)[off_diag].float()
+            prob = collision_probability(projector.project(k, v), mcfg.id_bits)[off_diag]
+            n_pos = target.sum()
+            # Class balance: equivalent pairs are rare, and each one missed is a merge lost.
+            pos_weight = ((target.numel() - n_pos) / n_pos.clamp_min(1)).clamp(max=50.0)
+            weight = torch.where(target > 0, pos_weight, torch.ones_like(target))
+            losses.append(F.binary_cross_entropy(prob.clamp(1e-6, 1 - 1e-6), target, weight=weight))
+            with torch.no_grad():
+                pos_share.append(float(target.mean()))
+                if n_pos > 0:
+                    pos_rates.append(float(prob[target > 0].mean()))
+                neg_rates.append(float(prob[target == 0].mean()))
+    if not losses:
+        return sum(p.sum() * 0 for p in projector.parameters()), {}
+    loss = torch.stack(losses).mean()
+    logs = {"loss": loss.item(), "equivalent": sum(pos_share) / len(pos_share),
+            "collide_eq": sum(pos_rates) / max(1, len(pos_rates)), "collide_other": sum(neg_rates) / len(neg_rates)}
+    return loss, logs
+
+
+def hyper(projector: SemanticProjector, cfg: Any) -> dict[str, Any]:
+    """What rebuilds the module and runs the method as trained (ZoomAdapter's ``hyper``)."""
+    mcfg = method_config(cfg)
+    return {k: getattr(mcfg, k) for k in METHOD_KEYS} | {"sem_dim": projector.sem_dim, "hidden": projector.hidden}
+
+
+@torch.no_grad()
+def pair_metrics(projector: SemanticProjector, paths: list[Path], cfg: Any) -> dict[str, float]:
+    """Expected collisions of equivalent vs other pairs on the cached samples (all layers, seed fixed)."""
+    mcfg = method_config(cfg)
+    logs = []
+    for path in paths:
+        sample = load_sample(path)
+        logs.append(step_loss(projector, sample, sample["layers"].tolist(), mcfg, cfg.pair_rows, 12345)[1])
+    logs = [entry for entry in logs if entry]
+    return {k: sum(entry[k] for entry in logs) / len(logs) for k in ("loss", "collide_eq", "collide_other")}
