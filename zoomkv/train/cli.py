@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("train", help="train a method's adapter from a recipe (sekv)")
+    parser = subparsers.add_parser("train", help="train a method's adapter from a recipe (sekv, semantic_id)")
     add_arguments(parser)
     parser.set_defaults(func=run)
 
