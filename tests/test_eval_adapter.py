@@ -83,6 +83,17 @@ def test_wrong_base_model_and_missing_adapter_fail_before_any_row(tmp_path, tiny
         run_eval(_cfg(tmp_path / "b", [str(tmp_path / "nowhere")]), *tiny)
 
 
+def test_a_training_runs_adapter_folder_is_named_after_the_run(tmp_path, saved):
+    from zoomkv.eval.harness import adapter_label
+
+    adapter, folder = saved
+    run = adapter.save_pretrained(tmp_path / "my-run" / "adapter")
+    sha = adapter.config.weights_sha256[:8]
+    assert adapter_label(adapter, str(run)) == f"sekv:my-run@{sha}"
+    assert adapter_label(adapter, str(folder)) == f"sekv:sekv-tiny@{sha}"
+    assert adapter_label(adapter, "user/zoom-adapter") == f"sekv:user/zoom-adapter@{sha}"
+
+
 def test_cli_takes_repeated_and_comma_separated_adapters(tmp_path, capsys):
     import argparse
 

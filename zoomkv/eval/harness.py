@@ -75,7 +75,11 @@ class RunSpec:
 def adapter_label(adapter: Any, source: str) -> str:
     """How an adapter's rows are labelled: its method, the folder name or Hub id it came from, and the
     start of its weights' checksum (so a retrained adapter in the same folder makes new rows)."""
-    name = Path(source).name if Path(source).exists() else source
+    path = Path(source)
+    if path.exists():  # a folder's name; a training run's `RUN/adapter` is named after the run
+        name = path.resolve().parent.name if path.resolve().name == "adapter" else path.name
+    else:
+        name = source  # a Hub id
     return f"{adapter.config.method}:{name}@{(adapter.config.weights_sha256 or 'unsigned')[:8]}"
 
 
