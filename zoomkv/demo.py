@@ -6,7 +6,7 @@
    subset at ~2K tokens (``zoomkv eval``: accuracy, bytes per tier, decode speed);
 3. print the table and say where the rows and plots are.
 
-About 5-10 minutes on a 2-core CPU the first time (training included), 2-3 minutes after.
+About 6-8 minutes on a 2-core CPU the first time (training included), 2 minutes after.
 """
 
 from __future__ import annotations
