@@ -339,7 +339,11 @@ def train(cfg: TrainConfig) -> Path:
             scores = evaluate(model, tokenizer, cfg, raw)
             (run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
             say("eval " + json.dumps(scores))
+    accelerator.wait_for_everyone()  # the others wait while the main process writes and evaluates
     accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Shut the group down together: a process group freed after a peer has exited can block forever.
+        torch.distributed.destroy_process_group()
     return out
 
 
