@@ -228,3 +228,58 @@ def test_calibrate_command_is_listed_and_documented(capsys):
         cli_main(["calibrate", "infinigen", "--help"])
     assert "--partial-ratio" in capsys.readouterr().out
     assert cli_main(["calibrate", "infinigen", "--model", "tiny-llama", "--tokens", "4"]) == 2  # too few tokens
+
+
+# -- speculation from the previous layer ------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
+def test_speculative_query_rebuilds_the_real_query_from_a_layers_input(family):
+    """q_proj → q_norm → RoPE from the captured input reproduces the query the attention received: so the
+    speculated query from layer i-1's input is exactly what layer i would compute from that input."""
+    from zoomkv.memory.speculation import speculative_query
+    from zoomkv.methods.oracle_topk import OracleTopK
+
+    class Probe(OracleTopK):
+        needs_attention_inputs = True
+        checked: list[float] = []
+
+        def select(self, memory, query):
+            own = memory.cache.attention_inputs[memory.layer_idx]
+            rebuilt = speculative_query(own, own.hidden)
+            self.checked.append((rebuilt - query).abs().max().item())
+            return super().select(memory, query)
+
+    model, _ = tiny(family)
+    ids, mask = _batch(model.config.vocab_size, lengths=(60, 48))
+    probe = Probe()
+    _generate(model, ids, mask, ZoomCache(model, probe, 32), new=4)
+    assert probe.checked and max(probe.checked) < 1e-5, max(probe.checked)
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_previous_layer_speculation_is_the_default_and_differs_from_same_layer(profiles, family):
+    model, _ = tiny(family)
+    ids, mask = _batch(model.config.vocab_size, lengths=(90, 75))
+    picked = {}
+    for mode in ("previous_layer", "same_layer"):
+        method = get_method("infinigen", profile=profiles[family], dense_layers=0, speculate=mode)
+        cache = ZoomCache(model, method, 40)
+        inner, rows = method.select, []
+
+        def select(memory, query, inner=inner, rows=rows):
+            sel = inner(memory, query)
+            rows.append(round(sel.keys.float().sum().item(), 3))  # which rows were recalled
+            return sel
+
+        method.select = select
+        _generate(model, ids, mask, cache, new=12)
+        steps = {layer.layer_idx: layer.meta.get("speculated_steps", 0) for layer in cache.layers
+                 if isinstance(layer, LayerMemory)}
+        picked[mode] = rows
+        if mode == "previous_layer":
+            assert get_method("infinigen", profile=profiles[family]).config.speculate == mode  # the default
+            assert sum(steps.values()) > 0 and steps.get(0, 0) == 0  # layer 0 has no previous layer
+        else:
+            assert sum(steps.values()) == 0
+    assert picked["previous_layer"] != picked["same_layer"]  # another query, other rows recalled
+    with pytest.raises(ConfigError, match="speculate"):
+        get_method("infinigen", profile=profiles["tiny-llama"], speculate="next_layer")

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import BudgetError, ConfigError, ZoomKVError
+from zoomkv.memory import speculation
 from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.quant import QuantSpec
@@ -127,6 +128,8 @@ class ZoomCache(Cache):
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
         self.step_ids: torch.Tensor | None = None  # ids of the forward in progress: the prompt, then each token
         self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress
+        # Each attention module's input at the decode step in progress (methods that look a layer ahead).
+        self.attention_inputs: dict[int, Any] = {}
         self.model_name: str | None = getattr(model_or_config, "zoomkv_name", None) or getattr(
             config, "_name_or_path", None
         )
@@ -206,7 +209,18 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
         if norm is not None:
             norm.register_forward_hook(functools.partial(_after_final_norm, model))
         model._zoomkv_hooked = True
+    if not getattr(model, "_zoomkv_attention_hooked", False):
+        for module in model.modules():
+            if hasattr(module, "q_proj") and hasattr(module, "layer_idx") and hasattr(module, "head_dim"):
+                module.register_forward_pre_hook(_capture_attention_input, with_kwargs=True)
+        model._zoomkv_attention_hooked = True
     return model
+
+
+def _capture_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = getattr(_running, "cache", None)
+    if cache is not None and getattr(cache.method, "needs_attention_inputs", False):
+        speculation.capture(cache, module, args, kwargs)
 
 
 _running = threading.local()  # the ZoomCache of the forward pass in progress

@@ -75,6 +75,9 @@ class KVMethod:
     uses_budget: ClassVar[bool] = True
     quantizable_device: ClassVar[bool] = False  # stores device rows through memory.device_rows_buffer
     needs_surprisal: ClassVar[bool] = False  # compress gets ctx.surprisal (computed after the last layer)
+    # select may read cache.attention_inputs (every attention module's input this step; see
+    # zoomkv.memory.speculation): a property where a config option decides
+    needs_attention_inputs: bool = False
     needs_profile: ClassVar[bool] = False  # needs an offline `zoomkv calibrate` profile (tested in its own file)
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):

@@ -13,16 +13,16 @@ important ones; as in the authors' code, their count is averaged over all heads 
 many rows with the highest estimates are recalled for every KV head, capped at the budget (the newest
 row is always one of them). ``alpha`` is 5, the authors' setting for Llama models (their OPT runs use 4).
 
+**Speculation from the previous layer** (``speculate="previous_layer"``, the paper's): layer i's scores
+are estimated from the query layer i's weights make from layer i−1's attention input,
+``RoPE(q_norm(q_proj_i(x_{i−1})))``, which is what lets InfiniGen prefetch layer i's rows while layer
+i−1 runs. The runtime hands every attention module's input of the step in progress to the method
+(``zoomkv.memory.speculation``). ``speculate="same_layer"`` estimates from layer i's own exact query
+instead (no cross-layer drift, only the partial-channel error: an upper bound of InfiniGen's selections).
+Nothing here overlaps the recall with the previous layer's compute: the selection is InfiniGen's, the
+timing is not.
+
 Deviations, on purpose:
-- **Same-layer speculation.** InfiniGen estimates layer i+1's scores while layer i runs, from layer i's
-  attention input pushed through layer i+1's query projection, so the recall can be prefetched. A method
-  here sees only its own layer's query (the attention function gets no hidden states and no other layer's
-  weights), so layer i estimates its own scores from its own exact query. That removes InfiniGen's
-  cross-layer error (hidden states drift between layers) and keeps only the partial-channel error: its
-  selections are an upper bound of InfiniGen's. The faithful version needs a runtime hook: a forward
-  pre-hook on every attention module that stashes its input hidden states and position embeddings on the
-  cache, plus access to each attention module (its ``q_proj``, ``q_norm``); layer i+1's select would then
-  compute ``RoPE(q_proj_{i+1}(hidden_i))`` and estimate from that query instead of its own.
 - GQA: the skew is per KV head, fitted on the stacked queries of its group, and a KV head's rows are
   ranked by the best estimate among its query heads (each head's important rows stay eligible).
 - The newest row is always recalled; while every row fits the budget all are attended (so B ≥ context is
@@ -46,6 +46,7 @@ import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
+from zoomkv.memory.speculation import speculative_query
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods._infinigen import load_layer, resolve_profile
 from zoomkv.methods._recallable import (
@@ -72,10 +73,13 @@ class InfiniGenConfig(MethodConfig):
     alpha: float = 5.0  # recall rows whose estimated logit is within alpha of the head's best (Llama: 5)
     profile: str | None = None  # profile file, folder or calibrated model name (None: the running model's)
     dense_layers: int = 1  # the first layer has no previous layer to speculate from: kept whole
+    speculate: str = "previous_layer"  # the query estimated from layer i-1's input ("same_layer": layer i's own)
 
     def __post_init__(self) -> None:
         if self.alpha <= 0:
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
+        if self.speculate not in ("previous_layer", "same_layer"):
+            raise ConfigError(f"speculate must be 'previous_layer' or 'same_layer', got {self.speculate!r}")
         check_dense_layers(self.dense_layers)
 
 
@@ -151,6 +155,21 @@ class InfiniGen(KVMethod):
         skew = memory.device_tier["skew"]
         memory.device_tier["partial_keys"].append(torch.matmul(key.float(), skew[None]).to(key.dtype))
 
+    @property
+    def needs_attention_inputs(self) -> bool:
+        return self.config.speculate == "previous_layer"
+
+    def speculated_query(self, memory: LayerMemory, query: torch.Tensor) -> torch.Tensor:
+        """The query the estimate uses: layer i's projection of layer i-1's input at this step, or the
+        layer's own query (``same_layer``, or a memory driven without a model, as in unit tests)."""
+        inputs = getattr(memory.cache, "attention_inputs", {}) if self.needs_attention_inputs else {}
+        own, previous = inputs.get(memory.layer_idx), inputs.get(memory.layer_idx - 1)
+        if own is None or previous is None:
+            return query
+        memory.meta["speculated_steps"] = memory.meta.get("speculated_steps", 0) + 1
+        with torch.no_grad():
+            return speculative_query(own, previous.hidden).to(query.dtype)
+
     def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         if is_dense(memory):
             return dense_select(memory)
@@ -160,8 +179,8 @@ class InfiniGen(KVMethod):
         valid = host_valid(memory)
         idx = None
         if n > budget:
-            scores = estimate_scores(query, memory.device_tier["partial_keys"].view(), memory.device_tier["skew"],
-                                     memory.meta["scaling"])
+            scores = estimate_scores(self.speculated_query(memory, query), memory.device_tier["partial_keys"].view(),
+                                     memory.device_tier["skew"], memory.meta["scaling"])
             if valid is not None:
                 scores = scores.masked_fill(~valid.to(scores.device)[:, :, None, :], float("-inf"))
             count = min(max(fetch_count(scores, self.config.alpha), 1), budget - 1)
