@@ -180,3 +180,21 @@ def test_method_variants_parse_and_refuse():
     assert split_variants("full+int4") == ("full", {"kv_quant": "int4", "kv_quant_tiers": "all"})
     with pytest.raises(ZoomKVError, match=r"valid: \+tail, \+int8, \+int4"):
         split_variants("quest+fp8")
+
+
+def test_every_method_runs_every_synthetic_task_at_128_and_512(tmp_path, tiny):
+    """Each registered method (those needing a calibration profile are covered in their own files) on all
+    of RULER's synthetic families at budgets 128 and 512: rows for every cell, none over budget."""
+    from zoomkv.eval.tasks import SYNTHETIC_TASKS
+    from zoomkv.methods import METHODS
+
+    methods = sorted(n for n, c in METHODS.items() if c.uses_budget and not getattr(c, "needs_profile", False))
+    cfg = _cfg(tmp_path / "all", methods=methods, budgets=["128", "512"], tasks=list(SYNTHETIC_TASKS),
+               lengths=[700], samples=1, max_new_tokens=2)
+    rows = run_eval(cfg, *tiny)
+    assert len(rows) == len(SYNTHETIC_TASKS) * (1 + 2 * len(methods))
+    for r in rows:
+        assert 0 <= r["score"] <= 100
+        # (at 512 of ~700 rows, semantic_id's per-slot key variance can outweigh what it saves)
+        if r["method"] != "full" and r["budget"] == "128":
+            assert r["device_bytes"] < r["full_kv_bytes"], (r["method"], r["task"])
