@@ -11,6 +11,7 @@ import torch
 from zoomkv.adapters.errors import AdapterNotFoundError, BaseModelMismatchError
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.cli import main
+from zoomkv.errors import ZoomKVError
 from zoomkv.eval.cli import config_from_args
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.sample import PromptFormat
@@ -81,6 +82,9 @@ def test_wrong_base_model_and_missing_adapter_fail_before_any_row(tmp_path, tiny
     assert not (tmp_path / "a" / "rows.jsonl").exists() or not _rows(tmp_path / "a")
     with pytest.raises(AdapterNotFoundError):
         run_eval(_cfg(tmp_path / "b", [str(tmp_path / "nowhere")]), *tiny)
+    adapter = ZoomAdapter.initialise(tiny[0], "sekv", {"max_trainable_fraction": 0.01}, budget=64, name="tiny-llama")
+    with pytest.raises(ZoomKVError, match="budget"):
+        run_eval(_cfg(tmp_path / "c", [str(adapter.save_pretrained(tmp_path / "ok"))], methods=[], budgets=["4"]), *tiny)
 
 
 def test_a_training_runs_adapter_folder_is_named_after_the_run(tmp_path, saved):

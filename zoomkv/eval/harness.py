@@ -95,7 +95,11 @@ def adapter_runs(cfg: EvalConfig, budgets: list[str]) -> list[RunSpec]:
         chosen = budgets or own
         if not chosen:
             raise ZoomKVError(f"adapter {source!r} records no budget: give --budgets")
+        method = adapter.make_method()
         for b in chosen:
+            parsed = Budget.parse(b)
+            if parsed is not None and parsed.rows is not None:
+                method.check_budget(parsed.rows)  # an impossible budget fails now, not after a prefill
             runs.append(RunSpec(label, b, {}, "", adapter))
     return runs
 
