@@ -49,6 +49,17 @@ def padded_batch(vocab: int, lengths: tuple[int, ...] = (70, 52), seed: int = 1)
     return ids, mask
 
 
+def max_logit_diff(a_scores, b_scores) -> float:
+    """Largest difference between two runs' step logits (``-inf`` entries, e.g. a suppressed EOS, must match)."""
+    worst = 0.0
+    for a, b in zip(a_scores, b_scores, strict=True):
+        a, b = a.float().cpu(), b.float().cpu()
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
+    return worst
+
+
 def greedy(model, ids: torch.Tensor, mask: torch.Tensor, cache=None, new: int = 10):
     """Exactly ``new`` greedy tokens with their step logits, through ``cache`` (plain generate when None)."""
     from zoomkv.compat import generate_cache_kwargs

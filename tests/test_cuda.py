@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import greedy, padded_batch, tensors_in
+from tests.helpers import greedy, max_logit_diff, padded_batch, tensors_in
 from zoomkv import ZoomCache
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import METHODS, get_method
@@ -36,16 +36,6 @@ def _batch(model, lengths=(70, 52)):
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
-def _max_diff(a_scores, b_scores) -> float:
-    worst = 0.0
-    for a, b in zip(a_scores, b_scores, strict=True):
-        a, b = a.float().cpu(), b.float().cpu()
-        finite = torch.isfinite(a)
-        assert torch.equal(finite, torch.isfinite(b))
-        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
-    return worst
-
-
 def _assert_tiers_placed(cache: ZoomCache) -> None:
     """Device tier on the model's device; host tier in CPU memory, page-locked when the device is CUDA."""
     layers = [layer for layer in cache.layers if isinstance(layer, LayerMemory)]
@@ -67,7 +57,7 @@ def test_full_on_the_device_matches_the_cpu(tiny):
     cpu_model, _ = load_model(tiny.zoomkv_name)
     on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, "full"))
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
-    assert _max_diff(on_device.scores, on_cpu.scores) < 1e-3
+    assert max_logit_diff(on_device.scores, on_cpu.scores) < 1e-3
 
 
 @pytest.mark.parametrize("name", BUDGETED)
@@ -76,7 +66,7 @@ def test_large_budget_is_exactly_full_on_the_device(tiny, name):
     ref = greedy(tiny, ids, mask, ZoomCache(tiny, "full"))
     out = greedy(tiny, ids, mask, ZoomCache(tiny, name, 4096))
     assert torch.equal(out.sequences, ref.sequences), name
-    assert _max_diff(out.scores, ref.scores) < 1e-3, name
+    assert max_logit_diff(out.scores, ref.scores) < 1e-3, name
 
 
 @pytest.mark.parametrize("name", BUDGETED)
@@ -120,7 +110,7 @@ def test_full_with_quantized_device_tier_stays_close(tiny):
     ids, mask = _batch(tiny)
     ref = greedy(tiny, ids, mask, ZoomCache(tiny, "full"))
     out = greedy(tiny, ids, mask, ZoomCache(tiny, "full", kv_quant="int8", kv_quant_tiers="all"))
-    assert _max_diff(out.scores[:1], ref.scores[:1]) < 0.5  # first step: same prompt, int8 keys/values
+    assert max_logit_diff(out.scores[:1], ref.scores[:1]) < 0.5  # first step: same prompt, int8 keys/values
 
 
 def test_bfloat16_model_runs_every_recallable_method():

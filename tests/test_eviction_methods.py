@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import max_logit_diff, padded_batch, tensors_in
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import BudgetError
 from zoomkv.memory import LayerMemory
-from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import _evict, get_method
 from zoomkv.methods.base import KVMethod, PrefillContext, Selection
 from zoomkv.methods.pyramidkv import pyramid_budgets
@@ -336,14 +336,7 @@ def test_fractional_budget_too_small_for_the_prompt(llama):
 
 
 def _padded(vocab: int, lengths=(60, 41)):
-    g = torch.Generator().manual_seed(3)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        mask[i, total - n :] = 1
-        ids[i, : total - n] = 0
-    return ids, mask
+    return padded_batch(vocab, lengths, seed=3)
 
 
 def _generate(model, ids, mask, cache, new: int):
@@ -360,25 +353,7 @@ def test_budget_exactly_the_context_is_full_attention(llama, name):
     ref = _generate(llama, ids, mask, ZoomCache(llama, "full"), new)
     out = _generate(llama, ids, mask, ZoomCache(llama, name, ids.shape[1] + new - 1), new)
     assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores, strict=True):
-        finite = torch.isfinite(b)  # a suppressed token (-inf) must stay suppressed
-        assert torch.equal(torch.isfinite(a), finite)
-        assert (a[finite] - b[finite]).abs().max().item() < 1e-4
-
-
-def _tensors(obj, seen: set[int]) -> list[torch.Tensor]:
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, RowBuffer):
-        return _tensors(obj.data, seen)
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v, seen)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v, seen)]
-    return []
+    assert max_logit_diff(out.scores, ref.scores) < 1e-4  # a suppressed token (-inf) must stay suppressed
 
 
 @pytest.mark.parametrize("name", EVICTION)
@@ -388,7 +363,7 @@ def test_everything_held_is_in_the_device_tier(llama, name):
     _generate(llama, ids, mask, cache, 6)
     for layer in cache.layers:
         state = {k: v for k, v in vars(layer).items() if k != "cache"}
-        held = sum(t.nbytes for t in _tensors(state, set()))
+        held = sum(t.nbytes for t in tensors_in(state))
         assert held == layer.device_bytes, "a tensor is held outside the device tier"
         assert layer.host_bytes == 0
         assert set(layer.device_tier) <= {"keys", "values", "scores"}  # chunkkv's reuse indices are gone

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import greedy as _generate
+from tests.helpers import max_logit_diff
 from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
 from zoomkv.memory import LayerMemory
@@ -27,15 +28,6 @@ def tiny(request):
     return load_model(request.param)
 
 
-def _max_diff(a_scores, b_scores) -> float:
-    worst = 0.0
-    for a, b in zip(a_scores, b_scores, strict=True):
-        finite = torch.isfinite(a)
-        assert torch.equal(finite, torch.isfinite(b))
-        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("name", BUDGETED)
 def test_large_budget_is_exactly_full(tiny, name):
     model, _ = tiny
@@ -43,7 +35,7 @@ def test_large_budget_is_exactly_full(tiny, name):
     ref = _generate(model, ids, mask, ZoomCache(model, "full"))
     out = _generate(model, ids, mask, ZoomCache(model, name, 4096))
     assert torch.equal(out.sequences, ref.sequences), name
-    assert _max_diff(out.scores, ref.scores) < 1e-4, name
+    assert max_logit_diff(out.scores, ref.scores) < 1e-4, name
 
 
 @pytest.mark.parametrize("name", BUDGETED)

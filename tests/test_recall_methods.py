@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_all_tensors_in_tiers
+from tests.helpers import assert_all_tensors_in_tiers, padded_batch
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
@@ -370,14 +370,7 @@ def test_dense_layers_keep_everything_and_can_be_turned_off(name):
 
 
 def _padded(vocab: int, lengths: tuple[int, ...]):
-    g = torch.Generator().manual_seed(5)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, length in enumerate(lengths):
-        mask[i, total - length :] = 1
-        ids[i, : total - length] = 0
-    return ids, mask
+    return padded_batch(vocab, lengths, seed=5)
 
 
 def _generate(model, ids, mask, cache, new: int):

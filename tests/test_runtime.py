@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from tests.helpers import tensors_in
+from tests import helpers
+from tests.helpers import max_logit_diff, tensors_in
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
@@ -25,25 +26,8 @@ def tiny(request):
 
 
 def padded_batch(vocab: int, lengths=(40, 29), seed: int = 0):
-    """Two random prompts, left padded to the same length."""
-    g = torch.Generator().manual_seed(seed)
-    total = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        mask[i, total - n :] = 1
-        ids[i, : total - n] = 0
-    return ids, mask
-
-
-def max_logit_diff(a_scores, b_scores) -> float:
-    """Largest difference between two runs' step logits (``-inf`` entries, e.g. a suppressed EOS, must match)."""
-    worst = 0.0
-    for a, b in zip(a_scores, b_scores, strict=True):
-        finite = torch.isfinite(a)
-        assert torch.equal(finite, torch.isfinite(b))
-        worst = max(worst, (a[finite] - b[finite]).abs().max().item())
-    return worst
+    """This file's default batch: two prompts of 40 and 29 tokens."""
+    return helpers.padded_batch(vocab, lengths, seed)
 
 
 def run(model, ids, mask, cache=None, new=12):
