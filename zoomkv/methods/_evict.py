@@ -113,6 +113,28 @@ def mask_padding(scores: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
     return scores.masked_fill(~valid, NEG_INF)
 
 
+def window_scores(prefix_scores: torch.Tensor, ctx: PrefillContext, window: int) -> torch.Tensor:
+    """Every prompt row's score ``[b, h, T]``: the prefix rows' votes, ``+inf`` on the observation window
+    (always kept), ``-inf`` on padding."""
+    b, h, _ = prefix_scores.shape
+    protected = torch.full((b, h, window), POS_INF, device=prefix_scores.device)
+    return mask_padding(torch.cat([prefix_scores, protected], dim=-1), ctx)
+
+
+def with_window(top: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """The chosen prefix rows ``top`` (``[b, h, k]``, in order) followed by the window's rows."""
+    tail = torch.arange(length - window, length, device=top.device).expand(*top.shape[:2], -1)
+    return torch.cat([top, tail], dim=-1)
+
+
+def top_rows_and_window(scores: torch.Tensor, window: int, capacity: int) -> torch.Tensor:
+    """``[b, h, capacity]`` rows in sequence order: the best ``capacity - window`` of the prefix by
+    ``scores`` (``window_scores``), then the window."""
+    length = scores.shape[-1]
+    top = scores[..., : length - window].topk(capacity - window, dim=-1).indices.sort(dim=-1).values
+    return with_window(top, length, window)
+
+
 def check_pooling(kernel_size: int, pooling: str) -> None:
     if kernel_size < 1:
         raise ZoomKVError(f"kernel_size must be at least 1, got {kernel_size}")

@@ -35,14 +35,14 @@ import torch
 
 from zoomkv.errors import ZoomKVError
 from zoomkv.methods._evict import (
-    POS_INF,
     EvictionMethod,
     check_pooling,
     gather_rows,
-    mask_padding,
     observation_scores,
     pool_scores,
     store_rows,
+    window_scores,
+    with_window,
 )
 from zoomkv.methods.base import MethodConfig, PrefillContext
 from zoomkv.methods.registry import register_method
@@ -155,8 +155,7 @@ class ChunkKV(EvictionMethod):
         chunk = chunk[:, None, :].expand(b, kv_heads, -1)
         totals = torch.zeros(b, kv_heads, num_chunks + 1, device=device).scatter_add_(2, chunk, votes)
         row_chunk_score = torch.gather(totals, 2, chunk)  # every row carries its chunk's score
-        protected = torch.full((b, kv_heads, window), POS_INF, device=device)
-        scores = mask_padding(torch.cat([row_chunk_score, protected], dim=-1), ctx)
+        scores = window_scores(row_chunk_score, ctx, window)
         if length <= capacity:
             return None, scores
         # Rank prefix rows by (chunk score desc, chunk position asc, own vote desc), least significant key
@@ -165,6 +164,4 @@ class ChunkKV(EvictionMethod):
         order = votes.argsort(dim=-1, descending=True, stable=True)
         order = order.gather(2, chunk.gather(2, order).argsort(dim=-1, stable=True))
         order = order.gather(2, scores[..., :prefix].gather(2, order).argsort(dim=-1, descending=True, stable=True))
-        top = order[..., : capacity - window].sort(dim=-1).values
-        tail = torch.arange(prefix, length, device=device).expand(b, kv_heads, -1)
-        return torch.cat([top, tail], dim=-1), scores
+        return with_window(order[..., : capacity - window].sort(dim=-1).values, length, window), scores

@@ -53,13 +53,13 @@ import torch
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.methods._evict import (
     NEG_INF,
-    POS_INF,
     EvictionMethod,
     check_pooling,
     key_valid,
-    mask_padding,
     pool_scores,
     store_rows,
+    top_rows_and_window,
+    window_scores,
 )
 from zoomkv.methods.base import MethodConfig, PrefillContext
 from zoomkv.methods.registry import register_method
@@ -265,14 +265,10 @@ class CompressKV(EvictionMethod):
         prefix = length - window
         votes = head_votes(ctx, heads, window)[..., :prefix]  # [b, k, prefix]
         votes = pool_scores(votes, self.config.kernel_size, self.config.pooling).mean(dim=1)  # [b, prefix]
-        votes = votes[:, None, :].expand(b, kv_heads, prefix)
-        protected = torch.full((b, kv_heads, window), POS_INF, device=votes.device)
-        scores = mask_padding(torch.cat([votes, protected], dim=-1), ctx)
+        scores = window_scores(votes[:, None, :].expand(b, kv_heads, prefix), ctx, window)
         if length <= capacity:
             return None, scores
-        top = scores[..., :prefix].topk(capacity - window, dim=-1).indices.sort(dim=-1).values
-        tail = torch.arange(prefix, length, device=top.device).expand(b, kv_heads, -1)
-        return torch.cat([top, tail], dim=-1), scores
+        return top_rows_and_window(scores, window, capacity), scores
 
 
 def head_votes(ctx: PrefillContext, heads: list[int], window: int) -> torch.Tensor:

@@ -24,13 +24,13 @@ import torch
 
 from zoomkv.errors import ZoomKVError
 from zoomkv.methods._evict import (
-    POS_INF,
     EvictionMethod,
     check_pooling,
-    mask_padding,
     observation_scores,
     pool_scores,
     store_rows,
+    top_rows_and_window,
+    window_scores,
 )
 from zoomkv.methods.base import MethodConfig, PrefillContext
 from zoomkv.methods.registry import register_method
@@ -81,10 +81,7 @@ class SnapKV(EvictionMethod):
         votes = observation_scores(ctx, window)[..., :prefix]
         # Pool over the prefix only, as published: the window is kept anyway and must not lend its votes.
         votes = pool_scores(votes, self.config.kernel_size, self.config.pooling)
-        protected = torch.full((b, kv_heads, window), POS_INF, device=votes.device)
-        scores = mask_padding(torch.cat([votes, protected], dim=-1), ctx)
+        scores = window_scores(votes, ctx, window)
         if length <= capacity:
             return None, scores
-        top = scores[..., :prefix].topk(capacity - window, dim=-1).indices.sort(dim=-1).values
-        tail = torch.arange(prefix, length, device=top.device).expand(b, kv_heads, -1)
-        return torch.cat([top, tail], dim=-1), scores
+        return top_rows_and_window(scores, window, capacity), scores
