@@ -54,7 +54,7 @@ def test_small_budget_never_exceeded(tiny, name):
         if not method.dense_layer(memory.layer_idx, n):
             cap = method.layer_budget(memory.layer_idx, n, budget, cache.zoom_layer_indices)
             assert method.device_rows(memory) <= cap
-            assert sel.keys.shape[2] <= cap
+            assert sel.kv_rows <= cap  # sekv's span summaries are its index (bytes), not KV rows
             checked.append(memory.layer_idx)
         return sel
 

@@ -65,12 +65,20 @@ def test_anchors_are_the_high_surprisal_tokens():
     assert {21, 22} <= set(lay2.exact)
 
 
-def test_anchors_are_capped_and_spans_merged_to_fit_the_room():
+def test_anchors_are_capped_by_the_room_and_spans_split_to_max_span():
     s = torch.ones(400)
     s[torch.arange(10, 390, 7)] = 9.0  # 55 anchors would cut 55 spans
-    lay = segment_row(s, 0, 392, tau=1.0, sinks=4, min_span=4, max_span=32, room=20)
-    assert len(lay.exact) - 4 + len(lay.spans) <= 20
-    assert len(lay.anchors) <= 5  # at most a quarter of the room
+    s[[150, 220]] = 12.0  # the two most surprising
+    lay = segment_row(s, 0, 392, tau=1.0, sinks=4, min_span=4, max_span=16, room=20)
+    assert len(lay.exact) - 4 <= 20  # anchors + loose rows fit the room...
+    assert {150, 220} <= set(lay.anchors)  # ...the most surprising kept
+    assert all(e - s <= 16 for s, e in lay.spans)  # spans are index entries: as many as the context needs
+    covered = sorted(lay.exact + [p for a, b in lay.spans for p in range(a, b)])
+    assert covered == list(range(392))
+    # no room at all: no anchor, the whole region in spans
+    lay0 = segment_row(s, 0, 392, tau=1.0, sinks=4, min_span=4, max_span=16, room=0)
+    assert lay0.anchors == [] and lay0.exact == [0, 1, 2, 3]
+    assert sum(e - s for s, e in lay0.spans) == 388
 
 
 def test_span_summary_is_the_surprisal_weighted_mean():
@@ -113,7 +121,7 @@ def _pointed_keys(t=200, target=(100, 130)):
 
 def test_router_zooms_into_the_span_the_query_points_to(config):
     keys, values, query = _pointed_keys(target=(98, 129))  # rows of two whole spans (16-row pieces)
-    method = SeKV(max_span=16)
+    method = SeKV(max_span=16, anchor_fraction=0.3)
     memory = _memory(config, method, keys, values, torch.ones(1, 200), budget=100)
     sel = method.select(memory, query)
     n_exact, n_sum = memory.device_tier["keys"].shape[2], memory.device_tier["sum_keys"].shape[2]
@@ -168,7 +176,6 @@ def test_generated_rows_are_appended_then_summarised_and_budget_holds(config):
     keys, values, query = _pointed_keys()
     method = SeKV()
     budget = 60
-    # Seeded: with some draws the prefill already fills the span room and every chunk merges at once.
     surprisal = torch.rand(1, 200, generator=torch.Generator().manual_seed(0)) * 3
     memory = _memory(config, method, keys, values, surprisal, budget=budget)
     spans_before = memory.device_tier["sum_keys"].shape[2]
@@ -178,10 +185,12 @@ def test_generated_rows_are_appended_then_summarised_and_budget_holds(config):
         method.append(memory, torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g))
         sel = method.select(memory, query)
         assert method.device_rows(memory) <= budget
-        assert sel.keys.shape[2] <= budget
+        assert sel.index_rows == memory.device_tier["sum_keys"].shape[2]
+        assert sel.kv_rows <= budget  # exact + zoom buffer; the rest through the span index
         assert _represented_rows(memory) == 200 + step  # nothing generated is dropped
-    assert memory.device_tier["sum_keys"].shape[2] > spans_before  # new spans were summarised...
-    assert memory.device_tier["sum_count"][0, 0].max() > 32  # ...and, once the room was full, merged
+    # every `chunk` (8) generated rows became one new span
+    assert memory.device_tier["sum_keys"].shape[2] == spans_before + 10
+    assert memory.device_tier["sum_count"][0, 0, -10:].tolist() == [8.0] * 10
 
 
 def test_everything_exact_while_it_fits(config):

@@ -52,14 +52,13 @@ def segment_row(
     room: int,
 ) -> RowLayout:
     """Cut positions ``[first, stop)`` of one row (``first``: its first real token; ``stop``: where the
-    recent tail starts) into sinks, anchors, loose rows and spans, using at most ``room`` resident rows
-    (exact rows + one summary per span).
+    recent tail starts) into sinks, anchors, loose rows and spans, with at most ``room`` exact rows besides
+    the sinks (anchors + loose rows).
 
-    Anchors are tokens whose surprisal exceeds ``mean + tau·std`` of the row. To keep room for zooming they
-    are capped at a quarter of ``room`` (the most surprising first) and, when anchors plus the spans they
-    cut still do not fit, halved until they do (dropping an anchor merges its two neighbouring spans).
-    Spans longer than ``max_span`` are split evenly while the room allows (short spans summarise better
-    and their SVD at rank ``max_span`` is exact); otherwise the piece length grows until the spans fit.
+    Anchors are tokens whose surprisal exceeds ``mean + tau·std`` of the row, the most surprising first;
+    when anchors and the loose rows they leave (runs shorter than ``min_span``) do not fit ``room`` they are
+    halved until they do. Every other run is a span, split evenly into pieces of at most ``max_span`` rows:
+    summary rows are the span index (like Quest's page bounds), so their number is not limited by the room.
     """
     sink_stop = min(first + sinks, stop)
     exact_sinks = list(range(first, sink_stop))
@@ -72,31 +71,20 @@ def segment_row(
     above = (region > thr).nonzero().flatten()
     order = region[above].argsort(descending=True, stable=True)
     candidates = (above[order] + start).tolist()
-    k = min(len(candidates), room // 4)
+    k = min(len(candidates), max(room, 0))
     while True:
         anchors = sorted(candidates[:k])
         runs = _runs(start, stop, anchors)
         loose = [r for r in runs if r[1] - r[0] < min_span]
         long = [r for r in runs if r[1] - r[0] >= min_span]
-        fixed = k + sum(e - s for s, e in loose)
-        if fixed + len(long) <= room or k == 0:
+        if k == 0 or k + sum(e - s for s, e in loose) <= room:
             break
         k //= 2
-    left = room - fixed
-    longest = max((e - s for s, e in long), default=0)
-    piece = max_span
-    if long and sum(_pieces(e - s, piece) for s, e in long) > left:
-        lo, hi = max_span, max(longest, max_span)  # hi always fits when len(long) <= left
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if sum(_pieces(e - s, mid) for s, e in long) <= left:
-                hi = mid
-            else:
-                lo = mid + 1
-        piece = lo
+    if k == 0:  # no anchor: one run; a region shorter than min_span is still a span (the room may be 0)
+        loose, long = [], runs
     spans: list[tuple[int, int]] = []
     for s, e in long:
-        m = _pieces(e - s, piece)
+        m = _pieces(e - s, max_span)
         cuts = [s + round(i * (e - s) / m) for i in range(m + 1)]
         spans.extend((cuts[i], cuts[i + 1]) for i in range(m))
     exact = sorted(exact_sinks + anchors + [p for s, e in loose for p in range(s, e)])

@@ -14,12 +14,14 @@ adapter's per-layer/head threshold are reconstructed (with the adapter's rank ga
 buffer and attended exactly, greedily in score order while the zoom rows allow. The remaining spans are
 attended through their summary row with a ``log |span|`` logit bias: one softmax over everything.
 Generated rows join the recent tail; every ``chunk`` steps its oldest ``chunk`` rows become a new span
-(merged into the last span once the resident rows are full), so nothing generated is dropped.
+so nothing generated is dropped.
 
-Budget B per KV head = exact rows + summary rows + the zoom buffer. At prefill ``resident_fraction`` of
-B is resident (sinks, anchors, loose rows, summaries, the recent tail and room for one more ``chunk``);
-the rest is the zoom buffer. When anchors and spans would not fit, anchors are halved (most surprising
-kept) and spans merged (see ``zoomkv.methods._sekv_layout.segment_row``).
+Budget B per KV head = the rows attended exactly: sinks, anchors, loose rows, the recent tail (with room
+for one more ``chunk``) and the zoom buffer. ``anchor_fraction`` of B is for anchors and loose rows (the
+least surprising anchors are dropped when they do not fit), the rest after sinks and tail is the zoom buffer. The summary rows are the
+span index — one key and one value row per span of at most ``max_span`` tokens, the same bytes as Quest's
+two page bounds per page — and like Quest's bounds or ClusterKV's centroids they are counted in the
+device tier's bytes, not in B.
 
 The adapter: ``get_method("sekv", adapter=<SeKVAdapter>)``, or ``adapter_path="<folder>"`` (a folder
 written by ``zoomkv.adapters.sekv.save_adapter``, e.g. a training checkpoint's ``adapter/``). Without
@@ -50,8 +52,8 @@ class SeKVConfig(MethodConfig):
     recent: int = 8  # last tokens always exact
     chunk: int = 8  # generated rows are summarised into a span every `chunk` steps
     min_span: int = 4  # shorter runs between anchors stay exact
-    max_span: int = 32  # preferred span length (= r_max: its SVD is then exact)
-    resident_fraction: float = 0.5  # share of B for resident rows; the rest is the zoom buffer
+    max_span: int = 16  # longest span: the zoom granularity (its SVD at rank max_span is exact)
+    anchor_fraction: float = 0.1  # share of B for anchors + loose rows; after sinks and tail the rest is zoom
     adapter_path: str | None = None  # folder with adapter_config.json + adapter_model.safetensors
 
     def __post_init__(self) -> None:
@@ -60,15 +62,18 @@ class SeKVConfig(MethodConfig):
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.min_span < 2 or self.max_span < self.min_span:
             raise ConfigError(f"need 2 <= min_span <= max_span, got {self.min_span}, {self.max_span}")
-        if not 0 < self.resident_fraction < 1:
-            raise ConfigError(f"resident_fraction must be in (0, 1), got {self.resident_fraction}")
+        if not 1 <= self.chunk <= self.max_span:
+            raise ConfigError(f"need 1 <= chunk <= max_span (a chunk becomes one span), got {self.chunk}")
+        if not 0 <= self.anchor_fraction < 1:
+            raise ConfigError(f"anchor_fraction must be in [0, 1), got {self.anchor_fraction}")
 
 
 def plan_budget(budget: int, cfg: SeKVConfig) -> tuple[int, int, int]:
-    """``(resident_cap, zoom_rows, room)``: rows resident at most, rows of the zoom buffer, and the rows
-    left for anchors + loose rows + summaries once sinks, the tail and one chunk of growth are set aside."""
-    resident = int(budget * cfg.resident_fraction)
-    return resident, budget - resident, resident - cfg.sinks - cfg.recent - cfg.chunk
+    """``(resident_cap, zoom_rows, room)``: exact rows at most, rows of the zoom buffer, and the rows left
+    for anchors + loose rows once sinks, the tail and one chunk of growth are set aside."""
+    room = int(budget * cfg.anchor_fraction)
+    resident = cfg.sinks + cfg.recent + cfg.chunk + room
+    return resident, budget - resident, room
 
 
 @register_method
@@ -94,11 +99,13 @@ class SeKV(KVMethod):
 
     def min_budget(self) -> int:
         c = self.config
-        return math.ceil((c.sinks + c.recent + c.chunk + c.min_span) / c.resident_fraction) + 1
+        # Sinks + tail + one chunk of growth exact, and a zoom buffer that holds one whole span.
+        return math.ceil((c.sinks + c.recent + c.chunk + c.max_span) / (1 - c.anchor_fraction)) + 1
 
     def device_rows(self, memory) -> int:
+        # Exact rows + the zoom buffer. Summary rows are the span index: counted in bytes, not rows.
         rows = 0
-        for name in ("keys", "sum_keys", "recall_keys"):
+        for name in ("keys", "recall_keys"):
             t = memory.device_tier.get(name)
             rows += 0 if t is None else t.shape[2]
         return rows
@@ -153,18 +160,9 @@ class SeKV(KVMethod):
         tail_start = t - c.recent
         tau = float(adapter.span_tau[layer])
         firsts = [int(valid[i].float().argmax()) for i in range(b)]
-        # Rows are padded to the batch's largest exact set and span count: shrink the room until the
-        # padded union fits too (only differs from one pass when batch rows differ a lot).
-        budget_room = room
-        while True:
-            layouts = [segment_row(surprisal[i], firsts[i], tail_start, tau, sinks=c.sinks, min_span=c.min_span,
-                                   max_span=c.max_span, room=room) for i in range(b)]
-            n_exact = max(len(lay.exact) for lay in layouts)
-            n_spans = max(len(lay.spans) for lay in layouts)
-            excess = n_exact - c.sinks + n_spans - budget_room
-            if excess <= 0 or room <= c.min_span:
-                break
-            room = max(c.min_span, room - excess)
+        layouts = [segment_row(surprisal[i], firsts[i], tail_start, tau, sinks=c.sinks, min_span=c.min_span,
+                               max_span=c.max_span, room=room) for i in range(b)]
+        n_exact = max(len(lay.exact) for lay in layouts)
         exact_idx = torch.zeros(b, n_exact + c.recent, dtype=torch.long)
         exact_ok = torch.zeros(b, n_exact + c.recent, dtype=torch.bool)
         for i, lay in enumerate(layouts):
@@ -177,7 +175,7 @@ class SeKV(KVMethod):
         memory.device_tier["keys"] = torch.gather(keys, 2, gidx.expand(-1, h, -1, keys.shape[-1]))
         memory.device_tier["values"] = torch.gather(values, 2, gidx.expand(-1, h, -1, values.shape[-1]))
         memory.device_tier["bias"] = _bias(exact_ok)
-        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], adapter.r_max)
+        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], self.rank(adapter))
         self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, spans.coef_k, spans.basis_k,
                           spans.coef_v, spans.basis_v)
         memory.host_tier.pop("surprisal", None)
@@ -188,6 +186,10 @@ class SeKV(KVMethod):
         # Unfilled slots are hidden by a -inf bias, but 0·NaN is NaN: never leave torch.empty garbage there.
         memory.device_tier["recall_keys"].zero_()
         memory.device_tier["recall_values"].zero_()
+
+    def rank(self, adapter: SeKVAdapter) -> int:
+        """Rank of the stored SVD factors: a span has at most ``max_span`` rows, so more is padding."""
+        return min(adapter.r_max, self.config.max_span)
 
     @staticmethod
     def _store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v) -> None:
@@ -234,19 +236,14 @@ class SeKV(KVMethod):
         n_new = ok.sum(1)  # [b]
         spans = [[(0, int(n))] if int(n) > 0 else [] for n in n_new]
         # Generated rows carry no surprisal: uniform weights.
-        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, adapter.r_max)
-        n_spans = dev["sum_keys"].shape[2]
-        resident = dev["keys"].shape[2] - c.chunk + n_spans + 1
-        if resident + c.chunk <= memory.meta["resident_cap"] or n_spans == 0:
-            self._append_span(memory, new, n_new)
-        else:
-            self._merge_last(memory, keys, values, new, n_new)
+        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, self.rank(adapter))
+        self._append_span(memory, new)
         keep = torch.cat([torch.arange(0, lo), torch.arange(hi, e)]).to(dev["keys"].device)
         for name in ("keys", "values", "bias"):
             dev[name] = dev[name].index_select(2, keep)
         memory.meta["tail"] -= c.chunk
 
-    def _append_span(self, memory, new, n_new: torch.Tensor) -> None:
+    def _append_span(self, memory, new) -> None:
         dev, host = memory.device_tier, memory.host_tier
         if new.sum_keys.shape[2] == 0:  # every row's chunk was padding: an empty slot keeps shapes aligned
             return
@@ -260,46 +257,6 @@ class SeKV(KVMethod):
             torch.cat([pad[0], pad[1]], 2), torch.cat([host["basis_k"], new_bk], 2),
             torch.cat([pad[2], pad[3]], 2), torch.cat([host["basis_v"], new_bv], 2),
         )
-
-    def _merge_last(self, memory, keys, values, new, n_new: torch.Tensor) -> None:
-        """No room for another summary row: fold the chunk into the last span slot (re-factored)."""
-        dev, host = memory.device_tier, memory.host_tier
-        adapter: SeKVAdapter = memory.meta["adapter"]
-        b, h = keys.shape[:2]
-        ones = torch.ones(adapter.r_max, device=keys.device, dtype=keys.dtype)
-        old_count = dev["sum_count"][:, 0, -1].long()  # [b]
-        dev_of = keys.device
-        old_k = reconstruct(host["coef_k"][:, :, -1].to(dev_of), host["basis_k"][:, :, -1].to(dev_of), ones)
-        old_v = reconstruct(host["coef_v"][:, :, -1].to(dev_of), host["basis_v"][:, :, -1].to(dev_of), ones)
-        size = int((old_count + n_new).max())
-        rows_k = _pad_rows(old_k, size, dim=2).clone()
-        rows_v = _pad_rows(old_v, size, dim=2).clone()
-        for i in range(b):  # a handful of rows once every `chunk` steps: a loop is clearer than scatter math
-            o, n = int(old_count[i]), int(n_new[i])
-            rows_k[i, :, o : o + n] = keys[i, :, :n]
-            rows_v[i, :, o : o + n] = values[i, :, :n]
-        total = (old_count + n_new).to(keys.dtype)
-        # Summary of the union: the two summaries weighted by their row counts.
-        w_old = (old_count.to(keys.dtype) / total.clamp_min(1))[:, None, None]
-        w_new = (n_new.to(keys.dtype) / total.clamp_min(1))[:, None, None]
-        new_sk = new.sum_keys[:, :, 0] if new.sum_keys.shape[2] else torch.zeros_like(dev["sum_keys"][:, :, -1])
-        new_sv = new.sum_values[:, :, 0] if new.sum_values.shape[2] else torch.zeros_like(dev["sum_values"][:, :, -1])
-        sum_k = dev["sum_keys"].clone()
-        sum_v = dev["sum_values"].clone()
-        sum_k[:, :, -1] = w_old * dev["sum_keys"][:, :, -1] + w_new * new_sk
-        sum_v[:, :, -1] = w_old * dev["sum_values"][:, :, -1] + w_new * new_sv
-        count = dev["sum_count"][:, 0].clone()
-        count[:, -1] = total
-        spans = [[(0, int(n))] if int(n) > 0 else [] for n in (old_count + n_new)]
-        weights = torch.ones(b, size, device=keys.device)
-        merged = build_spans(rows_k, rows_v, weights, spans, adapter.r_max)
-        size = max(size, host["coef_k"].shape[3])
-        coef_k, coef_v = _pad_rows(host["coef_k"], size).clone(), _pad_rows(host["coef_v"], size).clone()
-        coef_k[:, :, -1] = _pad_rows(merged.coef_k, size)[:, :, 0].cpu()
-        coef_v[:, :, -1] = _pad_rows(merged.coef_v, size)[:, :, 0].cpu()
-        basis_k, basis_v = host["basis_k"].clone(), host["basis_v"].clone()
-        basis_k[:, :, -1], basis_v[:, :, -1] = merged.basis_k[:, :, 0].cpu(), merged.basis_v[:, :, 0].cpu()
-        self._store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v)
 
     @torch.no_grad()
     def select(self, memory, query: torch.Tensor) -> Selection:
@@ -328,7 +285,7 @@ class SeKV(KVMethod):
         nz = take.nonzero(as_tuple=True)
         if nz[0].numel():
             bi, hi, si = nz
-            gates = adapter.hard_gates(layer).to(keys.dtype)  # [h, 2, r]
+            gates = adapter.hard_gates(layer).to(keys.dtype)[..., : host["coef_k"].shape[-1]]  # [h, 2, r]
             # Fetch the zoomed spans' factors from the host tier (index there, copy only what is used).
             at = (bi.cpu(), hi.cpu(), si.cpu())
             dev_of = keys.device
@@ -351,6 +308,7 @@ class SeKV(KVMethod):
             torch.cat([keys, sum_k, recall_k], 2),
             torch.cat([values, sum_v, recall_v], 2),
             torch.cat([exact_bias.to(query.dtype), sum_bias, recall_bias], 2),
+            index_rows=sum_k.shape[2],
         )
 
 

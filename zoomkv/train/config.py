@@ -36,8 +36,8 @@ class TrainConfig:
     recent: int = 8
     chunk: int = 8
     min_span: int = 4
-    max_span: int = 32
-    resident_fraction: float = 0.5
+    max_span: int = 16
+    anchor_fraction: float = 0.1
     # semantic_id's projector (method: semantic_id): its size, and the ID it is trained to hash into
     sem_dim: int = 16
     sem_hidden: int = 32
@@ -90,7 +90,7 @@ class TrainConfig:
                 "max_trainable_fraction": self.max_trainable_fraction}
 
     def method_kwargs(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("sinks", "recent", "chunk", "min_span", "max_span", "resident_fraction")}
+        return {k: getattr(self, k) for k in ("sinks", "recent", "chunk", "min_span", "max_span", "anchor_fraction")}
 
 
 TASKS = ("passkey", "kv", "vartrack")

@@ -50,7 +50,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
                           min_span=cfg.min_span, max_span=cfg.max_span, room=room)
         if not lay.spans:
             return None
-        sp = build_spans(keys[None, :, :n], values[None, :, :n], s[None], [lay.spans], adapter.r_max)
+        sp = build_spans(keys[None, :, :n], values[None, :, :n], s[None], [lay.spans], min(adapter.r_max, cfg.max_span))
     exact = torch.tensor(lay.exact + list(range(n - cfg.recent, n)), dtype=torch.long)
     count = sp.count[0]  # [S]
     log_n = count.log()
@@ -66,8 +66,9 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     # rank components with logit > 0), the backward pass their sigmoid relaxations.
     z_soft = torch.sigmoid(route)
     z = greedy_zoom(route.detach(), count.expand(h, -1), zoom_rows).float() + z_soft - z_soft.detach()
-    g_soft = torch.sigmoid(adapter.rank_gate[layer])  # [h, 2, r]
-    gates = (adapter.rank_gate[layer] > 0).float() + g_soft - g_soft.detach()
+    gate_logits = adapter.rank_gate[layer][..., : sp.coef_k.shape[-1]]  # [h, 2, r]: ranks a span can have
+    g_soft = torch.sigmoid(gate_logits)
+    gates = (gate_logits > 0).float() + g_soft - g_soft.detach()
     rec_k = reconstruct(sp.coef_k[0], sp.basis_k[0], gates[:, None, 0])  # [h, S, P, d]
     rec_v = reconstruct(sp.coef_v[0], sp.basis_v[0], gates[:, None, 1])
     size = rec_k.shape[2]
