@@ -18,10 +18,10 @@ so nothing generated is dropped.
 
 Budget B per KV head = the rows attended exactly: sinks, anchors, loose rows, the recent tail (with room
 for one more ``chunk``) and the zoom buffer. ``anchor_fraction`` of B is for anchors and loose rows (the
-least surprising anchors are dropped when they do not fit), the rest after sinks and tail is the zoom buffer. The summary rows are the
-span index — one key and one value row per span of at most ``max_span`` tokens, the same bytes as Quest's
-two page bounds per page — and like Quest's bounds or ClusterKV's centroids they are counted in the
-device tier's bytes, not in B.
+least surprising anchors are dropped when they do not fit), the rest after sinks and tail is the zoom buffer.
+The summary rows are the span index — one key and one value row per span of at most ``max_span`` tokens
+(at the default 8: an eighth of the KV bytes, twice Quest's two bounds per 16-token page) — and like
+Quest's bounds or ClusterKV's centroids they are counted in the device tier's bytes, not in B.
 
 The adapter: ``get_method("sekv", adapter=<SeKVAdapter>)``, or ``adapter_path="<folder>"`` (a folder
 written by ``zoomkv.adapters.sekv.save_adapter``, e.g. a training checkpoint's ``adapter/``). Without
@@ -52,7 +52,7 @@ class SeKVConfig(MethodConfig):
     recent: int = 8  # last tokens always exact
     chunk: int = 8  # generated rows are summarised into a span every `chunk` steps
     min_span: int = 4  # shorter runs between anchors stay exact
-    max_span: int = 16  # longest span: the zoom granularity (its SVD at rank max_span is exact)
+    max_span: int = 8  # longest span: the zoom granularity (its SVD at rank max_span is exact)
     anchor_fraction: float = 0.1  # share of B for anchors + loose rows; after sinks and tail the rest is zoom
     adapter_path: str | None = None  # folder with adapter_config.json + adapter_model.safetensors
 

@@ -36,7 +36,7 @@ class TrainConfig:
     recent: int = 8
     chunk: int = 8
     min_span: int = 4
-    max_span: int = 16
+    max_span: int = 8
     anchor_fraction: float = 0.1
     # semantic_id's projector (method: semantic_id): its size, and the ID it is trained to hash into
     sem_dim: int = 16
@@ -61,6 +61,7 @@ class TrainConfig:
     w_kl: float = 1.0
     w_out: float = 1.0
     w_zoom: float = 0.5
+    w_route: float = 0.5  # listwise: the router's ranking of spans vs the teacher's span mass
     w_anchor: float = 0.1
     w_rank: float = 0.01
     w_budget: float = 0.1

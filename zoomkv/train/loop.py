@@ -190,7 +190,7 @@ def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: lis
               mcfg: SeKVConfig, step: int) -> tuple[torch.Tensor, dict[str, float]]:
     all_layers = sample["layers"].tolist()
     scaling = float(sample["scaling"])
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "anchor", "budget")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "route", "anchor", "budget")}
     for layer in layers:
         pos_in_adapter = all_layers.index(layer)
         keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
@@ -206,7 +206,7 @@ def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: lis
         return zero, {}
     mean = {k: torch.stack(v).mean() for k, v in parts.items()}
     rank = rank_regulariser(adapter)
-    loss = (cfg.w_kl * mean["kl"] + cfg.w_out * mean["out"] + cfg.w_zoom * mean["zoom"]
+    loss = (cfg.w_kl * mean["kl"] + cfg.w_out * mean["out"] + cfg.w_zoom * mean["zoom"] + cfg.w_route * mean["route"]
             + cfg.w_anchor * mean["anchor"] + cfg.w_rank * rank
             + cfg.w_budget * ramp(step, cfg.budget_ramp_steps) * mean["budget"])
     logs = {k: v.item() for k, v in mean.items()} | {"rank": rank.item(), "loss": loss.item()}

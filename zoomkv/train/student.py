@@ -25,6 +25,7 @@ class Losses:
     kl: torch.Tensor
     out: torch.Tensor
     zoom: torch.Tensor
+    route: torch.Tensor
     anchor: torch.Tensor
     budget: torch.Tensor
 
@@ -107,6 +108,13 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     pos = target.sum().clamp_min(1)
     weight = torch.where(target > 0, (target.numel() - pos) / pos, torch.ones_like(target))
     zoom = F.binary_cross_entropy_with_logits(route, target, weight=weight)
+    # The router's ranking (what the greedy zoom consumes within the buffer): per query head, the router's
+    # softmax over spans against the teacher's distribution of span mass (listwise cross-entropy), weighted
+    # by how much of that head's attention lies in spans at all.
+    span_total = t_span.sum(-1, keepdim=True)  # [h, g, 1]
+    t_dist = t_span / span_total.clamp_min(1e-9)
+    ce = -(t_dist * torch.log_softmax(routed, -1)).sum(-1)  # [h, g]
+    route_loss = (ce * span_total[..., 0]).sum() / span_total.sum().clamp_min(1e-9)
     # The anchor threshold (discrete above) learns from a surrogate: tokens receiving the teacher's top 2%
     # of attention inside the compressible region should sit above mean + tau * std.
     region = slice(cfg.sinks, n - cfg.recent)
@@ -116,7 +124,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     anchor = F.binary_cross_entropy_with_logits((zs[region] - adapter.span_tau[layer]) * 2.0, label)
     expected_rows = (z_soft * count).sum(-1)
     budget_pen = F.relu(expected_rows - zoom_rows).div(max(zoom_rows, 1)).mean()
-    return Losses(kl, out_loss, zoom, anchor, budget_pen)
+    return Losses(kl, out_loss, zoom, route_loss, anchor, budget_pen)
 
 
 def rank_regulariser(adapter: SeKVAdapter) -> torch.Tensor:
