@@ -154,3 +154,39 @@ def test_tensorboard_logs_the_losses(tmp_path):
     acc.Reload()
     assert "train/loss" in acc.Tags()["scalars"]
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_router_loss_prefers_the_ranking_of_the_teacher():
+    """The listwise router loss: lower when the router ranks first the span holding the teacher's mass, and
+    its gradient moves the projector towards that ranking."""
+    from zoomkv.adapters.sekv import SeKVAdapter
+    from zoomkv.methods.sekv import SeKVConfig
+    from zoomkv.train.student import position_losses
+
+    g = torch.Generator().manual_seed(0)
+    h, t, d = 1, 160, 16
+    keys, values = torch.randn(h, t, d, generator=g) * 0.3, torch.randn(h, t, d, generator=g)
+    lo, hi = 74, 82  # one of the spans the layout cuts (148 region rows in 19 pieces)
+    keys[:, lo:hi, 0] += 2.0  # that span's keys share a direction no other span has
+    query = torch.randn(2, d, generator=g)
+    teacher = torch.full((2, t), 0.1 / (t - 8))
+    teacher[:, lo:hi] = 0.9 / 8  # the teacher reads that span
+    teacher = teacher / teacher.sum(-1, keepdim=True)
+    cfg = SeKVConfig(anchor_fraction=0.0)
+    args = (keys, values, query, teacher, torch.ones(t), t - 1, d**-0.5, 40, cfg, 0.9)
+
+    def route_loss(direction: float) -> torch.Tensor:
+        adapter = SeKVAdapter(1, h, d, proj_dim=d, share_projector=True)
+        with torch.no_grad():  # router = q·k + (Aq)·(Bk): (Aq)·(Bk) = c·(q·q̄)·k[0], large on that span only
+            adapter.proj_a.copy_(torch.eye(d)[None])
+            e0 = torch.zeros(d)
+            e0[0] = 1.0
+            q_bar = query.mean(0)
+            adapter.proj_b.copy_(direction * 10 * torch.outer(q_bar, e0)[None] / q_bar.norm() ** 2)
+        return position_losses(adapter, 0, *args).route
+
+    assert route_loss(+1.0) < route_loss(0.0) < route_loss(-1.0)
+    adapter = SeKVAdapter(1, h, d, proj_dim=4, share_projector=True)
+    loss = position_losses(adapter, 0, *args).route
+    loss.backward()
+    assert adapter.proj_b.grad is not None and adapter.proj_b.grad.abs().sum() > 0
