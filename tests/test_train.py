@@ -123,6 +123,16 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     assert final.config.method == "sekv" and final.config.base_model["name"] == "tiny-llama"
     exported = ZoomAdapter.from_pretrained(export_checkpoint(ckpt / "step_000004", tmp_path / "exported"))
     assert exported.config.hyper == final.config.hyper
+    # --eval-only scores the saved adapter beside the fresh one and the named baselines, without training
+    args = ["--recipe", str(TINY), "--eval-only", f"output_dir={tmp_path / 'a'}", "eval_samples=1",
+            "eval_baselines=quest,snapkv"]
+    assert main(args) == 0
+    import json
+
+    scores = json.loads((tmp_path / "a" / "sekv-tiny" / "eval.json").read_text())
+    assert {"fresh", "trained", "quest", "snapkv"} <= set(scores) and scores["samples"] == 1
+    assert all(0 <= scores[m]["kl"] < 50 for m in ("fresh", "trained", "quest", "snapkv"))
+    assert main(["--recipe", str(TINY), "--eval-only", f"output_dir={tmp_path / 'nothing'}"]) == 2
 
 
 def test_two_processes_with_the_multi_cpu_launcher(tmp_path):

@@ -2,6 +2,7 @@
 
     python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml steps=50 resume=latest
     python -m zoomkv.train --recipe recipes/llama-3-8b/sekv.yaml --dry-run   # no weights loaded
+    python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml --eval-only eval_samples=6
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", required=True, help="flat YAML recipe (recipes/<model>/<method>.yaml)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the trainable parameter count and fraction, then exit")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="score the run's trained adapter on held-out samples (fresh adapter and "
+                             "eval_baselines beside it) without training; writes eval.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys")
 
 
@@ -27,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
         from zoomkv.train.loop import dry_run
 
         dry_run(cfg)
+        return 0
+    if args.eval_only:
+        from zoomkv.train.loop import evaluate_run
+
+        evaluate_run(cfg)
         return 0
     from zoomkv.train.loop import train
 

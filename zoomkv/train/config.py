@@ -73,6 +73,7 @@ class TrainConfig:
     tensorboard: bool = True
     threads: int = 0  # torch intra-op threads (0: torch's default); 1 is fastest for these small ops on a busy CPU
     eval_samples: int = 4  # held-out samples scored (next-token KL vs full) with the fresh and trained adapter
+    eval_baselines: str = ""  # training-free methods scored alongside at the same budget, e.g. "quest,clusterkv"
     kill_at_step: int = 0  # testing only: SIGKILL this process right after that step (resume tests)
 
     @property

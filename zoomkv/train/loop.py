@@ -348,35 +348,44 @@ def train(cfg: TrainConfig) -> Path:
 
 
 @torch.inference_mode()
-def answer_scores(model, tokenizer, texts: list[tuple[str, str]], method: Any, budget: int) -> dict[str, float]:
-    """Teacher-forced answer tokens after a prefill: mean next-token KL to full attention, and exact-answer
-    accuracy (every answer token the greedy choice) of the compressed and of the full model."""
+def answer_scores(model, tokenizer, texts: list[tuple[str, str]], methods: dict[str, Any],
+                  budget: int) -> dict[str, dict[str, float]]:
+    """Teacher-forced answer tokens after one prefill per text, for each method: mean next-token KL to full
+    attention, and exact-answer accuracy (every answer token the greedy choice) of the compressed and of
+    the full model."""
     from zoomkv import compat
     from zoomkv.memory.replay import cache_from_record, record_prefill
 
-    kls, hits, full_hits = [], [], []
+    kls: dict[str, list[float]] = {name: [] for name in methods}
+    hits: dict[str, list[bool]] = {name: [] for name in methods}
+    full_hits = []
     for prompt, answer in texts:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         ans = tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"]
         full = model(input_ids=torch.cat([ids, ans], 1)).logits[0, ids.shape[1] - 1 : -1].float()
-        record = record_prefill(model, ids)
-        cache = cache_from_record(model, record, method, budget)
-        logits = [record.last_logits[0]]
-        for i in range(ans.shape[1] - 1):
-            pos = torch.tensor([[ids.shape[1] + i]])
-            out = model(input_ids=ans[:, i : i + 1], position_ids=pos, use_cache=True, **compat.generate_cache_kwargs(cache))
-            logits.append(out.logits[0, -1].float())
-        student = torch.stack(logits)
-        kl = torch.nn.functional.kl_div(student.log_softmax(-1), full.log_softmax(-1), log_target=True, reduction="none")
-        kls.append(float(kl.sum(-1).mean()))
-        hits.append(bool((student.argmax(-1) == ans[0]).all()))
         full_hits.append(bool((full.argmax(-1) == ans[0]).all()))
+        record = record_prefill(model, ids)
+        for name, method in methods.items():
+            cache = cache_from_record(model, record, method, budget)
+            logits = [record.last_logits[0]]
+            for i in range(ans.shape[1] - 1):
+                pos = torch.tensor([[ids.shape[1] + i]])
+                out = model(input_ids=ans[:, i : i + 1], position_ids=pos, use_cache=True,
+                            **compat.generate_cache_kwargs(cache))
+                logits.append(out.logits[0, -1].float())
+            student = torch.stack(logits)
+            kl = torch.nn.functional.kl_div(student.log_softmax(-1), full.log_softmax(-1), log_target=True,
+                                            reduction="none")
+            kls[name].append(float(kl.sum(-1).mean()))
+            hits[name].append(bool((student.argmax(-1) == ans[0]).all()))
     n = len(texts)
-    return {"kl": sum(kls) / n, "accuracy": sum(hits) / n, "full_accuracy": sum(full_hits) / n}
+    return {name: {"kl": sum(kls[name]) / n, "accuracy": sum(hits[name]) / n, "full_accuracy": sum(full_hits) / n}
+            for name in methods}
 
 
 def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> dict[str, Any]:
-    """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one."""
+    """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one, and the
+    recipe's ``eval_baselines`` (training-free methods) at the same budget."""
     from zoomkv.methods import get_method
     from zoomkv.methods.sekv import SeKV
 
@@ -386,12 +395,34 @@ def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> di
     for s in held:
         cut = s.text.rindex(s.answer)
         texts.append((s.text[:cut].rstrip(" "), " " + s.answer))
-    out: dict[str, Any] = {"budget": cfg.budget, "samples": len(texts)}
+    methods: dict[str, Any] = {}
     for name, ad in (("fresh", None), ("trained", adapter)):
         if cfg.method == "semantic_id":
             method = get_method("semantic_id", **{k: v for k, v in semantic.hyper(adapter, cfg).items()})
             method.attach_adapter(ad)  # None: the per-sequence PCA start the method uses untrained
         else:
             method = SeKV(adapter=ad, **cfg.method_kwargs())
-        out[name] = answer_scores(model, tokenizer, texts, method, cfg.budget)
-    return out
+        methods[name] = method
+    for name in (b.strip() for b in cfg.eval_baselines.split(",") if b.strip()):
+        methods[name] = get_method(name)
+    return {"budget": cfg.budget, "samples": len(texts), "length": cfg.max_length,
+            **answer_scores(model, tokenizer, texts, methods, cfg.budget)}
+
+
+def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
+    """``--eval-only``: score the run's saved adapter (``<run>/adapter``) as the end of training does."""
+    from zoomkv.adapters.checkpoint import load_checkpoint
+    from zoomkv.models import load_model
+
+    folder = cfg.run_dir / "adapter"
+    if not folder.is_dir():
+        raise ConfigError(f"no trained adapter at {folder}: train the recipe first")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer = load_model(cfg.model)
+    loaded = load_checkpoint(folder)
+    loaded.check_base(model)
+    scores = evaluate(model, tokenizer, cfg, loaded.modules)
+    (cfg.run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
+    print("eval " + json.dumps(scores))
+    return scores
