@@ -150,6 +150,13 @@ def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
     adapter = ZoomAdapter.from_pretrained(tmp_path / "sekv-tiny" / "adapter")
     assert not torch.equal(adapter.modules.route_tau, torch.full_like(adapter.modules.route_tau, -7.0))
     assert (tmp_path / "sekv-tiny" / "checkpoints" / "step_000004" / "DONE").is_file()
+    # one process with the same global batch (2 samples a step) ends with the same adapter, up to the
+    # order of floating-point sums
+    one = _run(tmp_path, "one", "samples_per_step=2", "steps=4", "layers_per_step=0")
+    assert one.returncode == 0, one.stderr[-2000:]
+    single = ZoomAdapter.from_pretrained(tmp_path / "one" / "sekv-tiny" / "adapter").modules.state_dict()
+    for name, tensor in adapter.modules.state_dict().items():
+        torch.testing.assert_close(single[name], tensor, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_tensorboard_logs_the_losses(tmp_path):

@@ -53,6 +53,7 @@ class TrainConfig:
     # optimisation
     steps: int = 100
     layers_per_step: int = 8  # layers sampled per step (all when 0)
+    samples_per_step: int = 1  # samples per process and step (gradient accumulation); global batch x processes
     lr: float = 0.01  # thresholds and rank gates
     proj_lr: float = 0.001  # the semantic projector: it rescales logits, so it moves much more gently
     weight_decay: float = 0.0
@@ -156,7 +157,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     if cfg.min_length > cfg.max_length or cfg.min_length < 16:
         raise ConfigError(f"recipe keys 'min_length'/'max_length': need 16 <= min_length <= max_length, got "
                           f"{cfg.min_length}, {cfg.max_length}")
-    for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every"):
+    for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
     return cfg

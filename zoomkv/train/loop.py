@@ -290,19 +290,25 @@ def train(cfg: TrainConfig) -> Path:
     bar = tqdm(total=cfg.steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process)
     t0 = time.time()
     for step in range(start_step + 1, cfg.steps + 1):
-        # Per-step randomness from (seed, step, process): resume needs nothing but the step number.
-        rng = random.Random(cfg.seed * 7919 + step * 31 + accelerator.process_index)
-        torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        index = curriculum_index(step * accelerator.num_processes + accelerator.process_index,
-                                 cfg.steps * accelerator.num_processes, len(paths), cfg.seed)
-        sample = load_sample(paths[index])
-        layers_all = sample["layers"].tolist()
-        layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
-        if cfg.method == "semantic_id":
-            loss, logs = semantic.step_loss(raw, sample, layers, mcfg, cfg.pair_rows, rng.randrange(2**31))
-        else:
-            loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
-        accelerator.backward(loss)
+        # A step is `samples_per_step` micro-batches on each process; the global batch is their union over
+        # processes, numbered alike however it is split (2 processes x 1 sample = 1 process x 2 samples).
+        # Randomness is a function of (seed, step, micro-batch number): resume needs only the step.
+        per_proc, n_proc = cfg.samples_per_step, accelerator.num_processes
+        logs: dict[str, float] = {}
+        for j in range(per_proc):
+            micro = accelerator.process_index * per_proc + j
+            rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
+            torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
+            index = curriculum_index(step * n_proc * per_proc + micro, cfg.steps * n_proc * per_proc, len(paths),
+                                     cfg.seed)
+            sample = load_sample(paths[index])
+            layers_all = sample["layers"].tolist()
+            layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
+            if cfg.method == "semantic_id":
+                loss, logs = semantic.step_loss(raw, sample, layers, mcfg, cfg.pair_rows, rng.randrange(2**31))
+            else:
+                loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
+            accelerator.backward(loss / per_proc)
         average_gradients(accelerator, adapter, raw)
         if cfg.grad_clip > 0:
             accelerator.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
