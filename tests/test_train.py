@@ -55,6 +55,18 @@ def test_dry_run_prints_the_fraction_last_without_weights(capsys):
     assert 0 < float(last.split("=")[1]) < 0.0005
 
 
+REAL_MODEL_RECIPES = [p for p in SHIPPED if p.parent.name in ("smollm2-135m", "llama-3-8b")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", REAL_MODEL_RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_real_model_recipe_is_under_the_trainable_limit(recipe, capsys):
+    assert main(["--recipe", str(recipe), "--dry-run"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("trainable_fraction=")
+    assert 0 < float(last.split("=")[1]) < 0.0005  # < 0.05% of the base model
+
+
 def test_oversized_adapter_is_refused(capsys):
     with pytest.raises(ConfigError, match="over max_trainable_fraction"):
         dry_run(load_recipe(TINY, ["max_trainable_fraction=0.001", "proj_dim=8", "share_projector=false"]))
