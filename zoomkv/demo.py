@@ -52,9 +52,10 @@ def main() -> int:
               f"{', '.join(TASKS)} at ~2K tokens (2 samples each)\n")
         cfg = EvalConfig(model=DEFAULT_MODEL, out=OUT, methods=["full", *BASELINES], budgets=[BUDGET], tasks=TASKS,
                          lengths=[2048], samples=2, adapters=[str(adapter)],
+                         overwrite=True,  # the table is this run's: no rows of an earlier adapter or code
                          command=f"zoomkv eval --model {DEFAULT_MODEL} --methods full,{','.join(BASELINES)} "
                                  f"--budgets {BUDGET} --tasks {','.join(TASKS)} --length 2048 --samples 2 "
-                                 f"--adapter {adapter} --out {OUT}")
+                                 f"--adapter {adapter} --out {OUT} --overwrite")
         run_eval(cfg, model, tokenizer)
     except ZoomKVError as err:
         print(f"zoomkv: error: {err}", file=sys.stderr)
