@@ -217,6 +217,13 @@ def test_adapter_by_module_or_folder(config, tmp_path):
     ZoomAdapter.from_modules(adapter, "sekv", {**adapter.hyper()}, shape=shape,
                              fingerprint=base_fingerprint(config, name="tiny-llama")).save_pretrained(tmp_path / "ad")
     loaded = get_method("sekv", adapter_path=str(tmp_path / "ad")).adapter
+    # the settings an adapter was trained with come with it, unless given explicitly
+    ZoomAdapter.from_modules(adapter, "sekv", {**adapter.hyper(), "max_span": 16, "anchor_fraction": 0.2},
+                             shape=shape, fingerprint=base_fingerprint(config, name="tiny-llama")
+                             ).save_pretrained(tmp_path / "ad16")
+    assert get_method("sekv", adapter_path=str(tmp_path / "ad16")).config.max_span == 16
+    assert get_method("sekv", adapter=str(tmp_path / "ad16")).config.anchor_fraction == 0.2
+    assert get_method("sekv", adapter_path=str(tmp_path / "ad16"), max_span=8).config.max_span == 8
     for (k, a), (_, b) in zip(adapter.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
     with pytest.raises(ConfigError, match="no sekv adapter"):

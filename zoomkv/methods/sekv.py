@@ -31,6 +31,7 @@ zooms into anything over ~0.1% estimated mass and reconstructs at full rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +91,13 @@ class SeKV(KVMethod):
     def __init__(self, config: SeKVConfig | None = None, *, adapter: SeKVAdapter | str | None = None,
                  **overrides: Any):
         super().__init__(config, **overrides)
-        if isinstance(adapter, str):
-            adapter = load_adapter(adapter)
-        elif adapter is None and self.config.adapter_path:
-            adapter = load_adapter(self.config.adapter_path)
+        path = adapter if isinstance(adapter, str) else (self.config.adapter_path if adapter is None else None)
+        if path:
+            adapter = load_adapter(path)
+            # The settings the adapter was trained with (span length, anchor share, ...) unless given here.
+            trained = {k: v for k, v in _adapter_settings(path).items() if k not in overrides}
+            if config is None and trained:
+                self.config = dataclasses.replace(self.config, **trained)
         self.adapter: SeKVAdapter | None = adapter
         self._fresh: dict[tuple[int, int, int], SeKVAdapter] = {}  # default adapters by (layers, heads, dim)
 
@@ -310,6 +314,14 @@ class SeKV(KVMethod):
             torch.cat([exact_bias.to(query.dtype), sum_bias, recall_bias], 2),
             index_rows=sum_k.shape[2],
         )
+
+
+def _adapter_settings(path: str) -> dict[str, Any]:
+    """The adapter folder's hyper-parameters that are fields of ``SeKVConfig`` (those it was trained with)."""
+    from zoomkv.adapters.checkpoint import load_checkpoint
+
+    fields = {f.name for f in dataclasses.fields(SeKVConfig)} - {"adapter_path"}
+    return {k: v for k, v in load_checkpoint(path).config.hyper.items() if k in fields}
 
 
 def greedy_zoom(route: torch.Tensor, count: torch.Tensor, zoom_rows: int) -> torch.Tensor:
