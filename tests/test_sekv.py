@@ -261,3 +261,33 @@ def test_left_padded_batch_compresses_within_budget():
     for row, real in ((0, 120), (1, 70)):
         valid = int((memory.device_tier["bias"][row, 0] == 0).sum())
         assert valid + int(memory.device_tier["sum_count"][row, 0].sum()) == real + 29
+
+
+def test_host_tier_holds_rows_at_full_rank_and_factors_when_gates_drop_ranks(config):
+    keys, values, query = _pointed_keys(target=(98, 129))
+    full = SeKV(max_span=16, anchor_fraction=0.3)
+    memory = _memory(config, full, keys, values, torch.ones(1, 200), budget=100)
+    host = memory.host_tier
+    assert set(host) == {"rows_k", "rows_v"}  # every gate on: the rows, not their larger factors
+    span_rows = int(memory.device_tier["sum_count"].sum())
+    assert host["rows_k"].numel() <= span_rows * H * D * 1.1  # padding of uneven spans only
+    exact_sel = full.select(memory, query)
+    # gates keep 4 of 16 components for keys and values: the factors are stored, and a zoomed span comes
+    # back as its best rank-4 approximation
+    adapter = SeKVAdapter(4, H, D, proj_dim=4, share_projector=True)
+    with torch.no_grad():
+        adapter.rank_gate[:, :, :, 4:] = -1.0
+    low = SeKV(adapter=adapter, max_span=16, anchor_fraction=0.3)
+    memory_low = _memory(config, low, keys, values, torch.ones(1, 200), budget=100)
+    assert {"coef_k", "basis_k", "coef_v", "basis_v"} <= set(memory_low.host_tier)
+    assert "rows_k" not in memory_low.host_tier
+    sel = low.select(memory_low, query)
+    n = memory_low.device_tier["keys"].shape[2] + memory_low.device_tier["sum_keys"].shape[2]
+    recalled = sel.keys[0, 0, n:][sel.bias[0, 0, n:] == 0]
+    exact_recalled = exact_sel.keys[0, 0, n:][exact_sel.bias[0, 0, n:] == 0]
+    assert recalled.shape == exact_recalled.shape
+    assert (recalled - exact_recalled).abs().max() > 1e-3  # approximate...
+    lo, hi = 98, 114  # ...with the error of a rank-4 SVD of one zoomed span
+    u, sv, vh = torch.linalg.svd(keys[0, 0, lo:hi], full_matrices=False)
+    best = (u[:, :4] * sv[:4]) @ vh[:4]
+    assert torch.cdist(best, recalled, compute_mode="donot_use_mm_for_euclid_dist").min(-1).values.max() < 1e-4

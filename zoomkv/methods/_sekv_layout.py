@@ -93,16 +93,19 @@ def segment_row(
 
 @dataclass
 class SpanTensors:
-    """Per span and KV head: the summary rows, the sizes, and the rank-``r_max`` SVD factors."""
+    """Per span and KV head: the summary rows, the sizes, the rows, and (``factor=True``) the rank-``r_max``
+    SVD factors."""
 
     sum_keys: torch.Tensor  # [b, h, S, d]
     sum_values: torch.Tensor  # [b, h, S, dv]
     count: torch.Tensor  # [b, S] float, 0 for padding slots
-    coef_k: torch.Tensor  # [b, h, S, P, r]: U·Σ
-    basis_k: torch.Tensor  # [b, h, S, r, d]: Vᵀ
-    coef_v: torch.Tensor
-    basis_v: torch.Tensor
+    coef_k: torch.Tensor | None  # [b, h, S, P, r]: U·Σ
+    basis_k: torch.Tensor | None  # [b, h, S, r, d]: Vᵀ
+    coef_v: torch.Tensor | None
+    basis_v: torch.Tensor | None
     start: torch.Tensor  # [b, S] long: first position of each span (teacher mass per span in training)
+    rows_k: torch.Tensor  # [b, h, S, P, d]: the span's rows, zero-padded
+    rows_v: torch.Tensor
 
 
 def _factor(rows: torch.Tensor, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +134,8 @@ def build_spans(
     weights: torch.Tensor,
     spans: list[list[tuple[int, int]]],
     r_max: int,
+    *,
+    factor: bool = True,
 ) -> SpanTensors:
     """``keys``/``values`` ``[b, h, T, d]``, ``weights`` ``[b, T]`` (surprisal), ``spans`` per batch row →
     summaries and SVD factors, padded to the largest span count and span length of the batch."""
@@ -159,10 +164,10 @@ def build_spans(
     w = w * live
     w = w / w.sum(-1, keepdim=True).clamp_min(1e-12)
     w = w[:, None, :, :, None].to(keys.dtype)
-    coef_k, basis_k = _factor(k_rows, r_max)
-    coef_v, basis_v = _factor(v_rows, r_max)
+    coef_k, basis_k = _factor(k_rows, r_max) if factor else (None, None)
+    coef_v, basis_v = _factor(v_rows, r_max) if factor else (None, None)
     return SpanTensors((w * k_rows).sum(3), (w * v_rows).sum(3), counts.to(keys.dtype), coef_k, basis_k,
-                       coef_v, basis_v, starts)
+                       coef_v, basis_v, starts, k_rows, v_rows)
 
 
 def reconstruct(coef: torch.Tensor, basis: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ full attention). Per layer and batch row: the first ``sinks`` tokens and the las
 exact; in between, tokens whose surprisal (the frozen model's own ``-log p``) exceeds the adapter's
 per-layer threshold are anchors, kept exact; the runs between anchors are spans (runs shorter than
 ``min_span`` stay exact). Per span and KV head the device tier keeps one summary row, the
-surprisal-weighted mean of its keys and values; the host tier keeps a rank-``r_max`` SVD of its keys and
-of its values (exact while the span has at most ``r_max`` rows).
+surprisal-weighted mean of its keys and values; the host tier keeps an SVD of its keys and of its values
+truncated by the adapter's rank gates — or, when a layer's gates keep every component (full rank), the
+span's rows themselves, which are smaller than their full-rank factors.
 
 Decode: the router estimates each span's share of the attention mass from the query and the summary key
 (through the adapter's semantic projector, plus ``log |span|``), and spans whose estimate clears the
@@ -82,7 +83,7 @@ class SeKV(KVMethod):
     name = "sekv"
     config_class = SeKVConfig
     citation = "surprisal-guided spans + anchors with a trained router, rank gates and summary rows (zoomkv)"
-    summary = "surprisal anchors + span summaries on device, SVD bases on host; a trained router zooms in"
+    summary = "surprisal anchors + span summaries on device, spans (or their SVD) on host; a trained router zooms in"
     recallable = True
     needs_surprisal = True
 
@@ -179,9 +180,12 @@ class SeKV(KVMethod):
         memory.device_tier["keys"] = torch.gather(keys, 2, gidx.expand(-1, h, -1, keys.shape[-1]))
         memory.device_tier["values"] = torch.gather(values, 2, gidx.expand(-1, h, -1, values.shape[-1]))
         memory.device_tier["bias"] = _bias(exact_ok)
-        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], self.rank(adapter))
-        self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, spans.coef_k, spans.basis_k,
-                          spans.coef_v, spans.basis_v)
+        # At full rank (every rank gate of the layer on) a span's rows are smaller than their SVD factors:
+        # the host tier then holds the rows themselves; the factors only when the gates drop components.
+        memory.meta["span_rows"] = bool(adapter.hard_gates(layer)[..., : self.rank(adapter)].all())
+        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], self.rank(adapter),
+                            factor=not memory.meta["span_rows"])
+        self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, _host_parts(spans, memory))
         memory.host_tier.pop("surprisal", None)
         memory.meta.update(mode="zoom", tail=c.recent, resident_cap=resident, zoom_rows=zoom_rows)
         for name in ("recall_keys", "recall_values"):
@@ -196,12 +200,14 @@ class SeKV(KVMethod):
         return min(adapter.r_max, self.config.max_span)
 
     @staticmethod
-    def _store_spans(memory, sum_k, sum_v, count, coef_k, basis_k, coef_v, basis_v) -> None:
+    def _store_spans(memory, sum_k, sum_v, count, host_parts: dict[str, torch.Tensor]) -> None:
         memory.device_tier["sum_keys"], memory.device_tier["sum_values"] = sum_k, sum_v
         memory.device_tier["sum_count"] = count[:, None, :]  # [b, 1, S]
-        # The SVD factors are the host tier: off the accelerator, pinned so a zoom-in copies back async.
-        memory.host_tier.update(coef_k=memory.to_host(coef_k), basis_k=memory.to_host(basis_k),
-                                coef_v=memory.to_host(coef_v), basis_v=memory.to_host(basis_v))
+        # The span rows (or their SVD factors) are the host tier: off the accelerator, pinned so a zoom-in
+        # copies back async.
+        for name in ("rows_k", "rows_v", "coef_k", "basis_k", "coef_v", "basis_v"):
+            memory.host_tier.pop(name, None)
+        memory.host_tier.update({name: memory.to_host(t) for name, t in host_parts.items()})
 
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -240,7 +246,8 @@ class SeKV(KVMethod):
         n_new = ok.sum(1)  # [b]
         spans = [[(0, int(n))] if int(n) > 0 else [] for n in n_new]
         # Generated rows carry no surprisal: uniform weights.
-        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, self.rank(adapter))
+        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, self.rank(adapter),
+                          factor=not memory.meta["span_rows"])
         self._append_span(memory, new)
         keep = torch.cat([torch.arange(0, lo), torch.arange(hi, e)]).to(dev["keys"].device)
         for name in ("keys", "values", "bias"):
@@ -251,16 +258,16 @@ class SeKV(KVMethod):
         dev, host = memory.device_tier, memory.host_tier
         if new.sum_keys.shape[2] == 0:  # every row's chunk was padding: an empty slot keeps shapes aligned
             return
-        size = max(host["coef_k"].shape[3], new.coef_k.shape[3])
-        new_ck, new_cv, new_bk, new_bv = (t.cpu() for t in (new.coef_k, new.coef_v, new.basis_k, new.basis_v))
-        pad = [_pad_rows(t, size) for t in (host["coef_k"], new_ck, host["coef_v"], new_cv)]
-        self._store_spans(
-            memory,
-            torch.cat([dev["sum_keys"], new.sum_keys], 2), torch.cat([dev["sum_values"], new.sum_values], 2),
-            torch.cat([dev["sum_count"][:, 0], new.count], 1),
-            torch.cat([pad[0], pad[1]], 2), torch.cat([host["basis_k"], new_bk], 2),
-            torch.cat([pad[2], pad[3]], 2), torch.cat([host["basis_v"], new_bv], 2),
-        )
+        parts = {}
+        for name, t in _host_parts(new, memory).items():
+            old = host[name]
+            if name.startswith(("rows_", "coef_")):  # [b, h, S, P, *]: pad the row axis to the longer span
+                size = max(old.shape[3], t.shape[3])
+                old, t = _pad_rows(old, size), _pad_rows(t, size)
+            parts[name] = torch.cat([old, t.cpu()], 2)
+        self._store_spans(memory, torch.cat([dev["sum_keys"], new.sum_keys], 2),
+                          torch.cat([dev["sum_values"], new.sum_values], 2),
+                          torch.cat([dev["sum_count"][:, 0], new.count], 1), parts)
 
     @torch.no_grad()
     def select(self, memory, query: torch.Tensor) -> Selection:
@@ -289,14 +296,18 @@ class SeKV(KVMethod):
         nz = take.nonzero(as_tuple=True)
         if nz[0].numel():
             bi, hi, si = nz
-            gates = adapter.hard_gates(layer).to(keys.dtype)[..., : host["coef_k"].shape[-1]]  # [h, 2, r]
-            # Fetch the zoomed spans' factors from the host tier (index there, copy only what is used).
+            # Fetch the zoomed spans from the host tier (index there, copy only what is used).
             at = (bi.cpu(), hi.cpu(), si.cpu())
             dev_of = keys.device
-            rk = reconstruct(host["coef_k"][at].to(dev_of, non_blocking=True),
-                             host["basis_k"][at].to(dev_of, non_blocking=True), gates[hi, 0])  # [N, P, d]
-            rv = reconstruct(host["coef_v"][at].to(dev_of, non_blocking=True),
-                             host["basis_v"][at].to(dev_of, non_blocking=True), gates[hi, 1])
+            if memory.meta["span_rows"]:
+                rk = host["rows_k"][at].to(dev_of, non_blocking=True)  # [N, P, d]
+                rv = host["rows_v"][at].to(dev_of, non_blocking=True)
+            else:
+                gates = adapter.hard_gates(layer).to(keys.dtype)[..., : host["coef_k"].shape[-1]]  # [h, 2, r]
+                rk = reconstruct(host["coef_k"][at].to(dev_of, non_blocking=True),
+                                 host["basis_k"][at].to(dev_of, non_blocking=True), gates[hi, 0])
+                rv = reconstruct(host["coef_v"][at].to(dev_of, non_blocking=True),
+                                 host["basis_v"][at].to(dev_of, non_blocking=True), gates[hi, 1])
             n_rows = count.long() * take
             offset = (n_rows.cumsum(-1) - n_rows)[bi, hi, si]  # [N]: where each span starts in the buffer
             j = torch.arange(rk.shape[1], device=rk.device)
@@ -314,6 +325,13 @@ class SeKV(KVMethod):
             torch.cat([exact_bias.to(query.dtype), sum_bias, recall_bias], 2),
             index_rows=sum_k.shape[2],
         )
+
+
+def _host_parts(spans, memory) -> dict[str, torch.Tensor]:
+    """What the host tier keeps of spans: their rows at full rank, else their SVD factors."""
+    if memory.meta["span_rows"]:
+        return {"rows_k": spans.rows_k, "rows_v": spans.rows_v}
+    return {"coef_k": spans.coef_k, "basis_k": spans.basis_k, "coef_v": spans.coef_v, "basis_v": spans.basis_v}
 
 
 def _adapter_settings(path: str) -> dict[str, Any]:
