@@ -3,6 +3,7 @@ tiny model, and a SIGKILLed run resuming to bitwise the same adapter as an unint
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -139,8 +140,6 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     args = ["--recipe", str(TINY), "--eval-only", f"output_dir={tmp_path / 'a'}", "eval_samples=1",
             "eval_baselines=quest,snapkv"]
     assert main(args) == 0
-    import json
-
     scores = json.loads((tmp_path / "a" / "sekv-tiny" / "eval.json").read_text())
     assert {"fresh", "trained", "quest", "snapkv"} <= set(scores) and scores["samples"] == 1
     assert all(0 <= scores[m]["kl"] < 50 for m in ("fresh", "trained", "quest", "snapkv"))

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zoomkv.adapters.sekv import DEFAULT_R_MAX, SeKVAdapter, load_adapter
+from zoomkv.adapters.sekv import DEFAULT_R_MAX, SeKVAdapter, load_sekv
 from zoomkv.errors import ConfigError
 from zoomkv.memory.recall import reserve_recall_buffer
 from zoomkv.methods._sekv_layout import build_spans, reconstruct, segment_row
@@ -70,12 +70,16 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"anchor_fraction must be in [0, 1), got {self.anchor_fraction}")
 
 
-def plan_budget(budget: int, cfg: SeKVConfig) -> tuple[int, int, int]:
-    """``(resident_cap, zoom_rows, room)``: exact rows at most, rows of the zoom buffer, and the rows left
-    for anchors + loose rows once sinks, the tail and one chunk of growth are set aside."""
+def plan_budget(budget: int, cfg: SeKVConfig) -> tuple[int, int]:
+    """``(zoom_rows, room)``: rows of the zoom buffer, and the rows for anchors + loose rows; the rest of B
+    holds the sinks, the tail and one chunk of growth."""
     room = int(budget * cfg.anchor_fraction)
-    resident = cfg.sinks + cfg.recent + cfg.chunk + room
-    return resident, budget - resident, room
+    return budget - (cfg.sinks + cfg.recent + cfg.chunk + room), room
+
+
+def stored_rank(adapter: SeKVAdapter, cfg: SeKVConfig) -> int:
+    """Rank of the SVD factors of a span: a span has at most ``max_span`` rows, so more is padding."""
+    return min(adapter.r_max, cfg.max_span)
 
 
 @register_method
@@ -94,9 +98,11 @@ class SeKV(KVMethod):
         super().__init__(config, **overrides)
         path = adapter if isinstance(adapter, str) else (self.config.adapter_path if adapter is None else None)
         if path:
-            adapter = load_adapter(path)
+            loaded = load_sekv(path)
+            adapter = loaded.modules
             # The settings the adapter was trained with (span length, anchor share, ...) unless given here.
-            trained = {k: v for k, v in _adapter_settings(path).items() if k not in overrides}
+            fields = {f.name for f in dataclasses.fields(SeKVConfig)} - {"adapter_path"}
+            trained = {k: v for k, v in loaded.config.hyper.items() if k in fields and k not in overrides}
             if config is None and trained:
                 self.config = dataclasses.replace(self.config, **trained)
         self.adapter: SeKVAdapter | None = adapter
@@ -161,7 +167,7 @@ class SeKV(KVMethod):
         adapter: SeKVAdapter = memory.meta["adapter"]
         layer = memory.meta["layer"]
         b, h, t, _ = keys.shape
-        resident, zoom_rows, room = plan_budget(memory.meta["budget"], c)
+        zoom_rows, room = plan_budget(memory.meta["budget"], c)
         tail_start = t - c.recent
         tau = float(adapter.span_tau[layer])
         firsts = [int(valid[i].float().argmax()) for i in range(b)]
@@ -182,22 +188,19 @@ class SeKV(KVMethod):
         memory.device_tier["bias"] = _bias(exact_ok)
         # At full rank (every rank gate of the layer on) a span's rows are smaller than their SVD factors:
         # the host tier then holds the rows themselves; the factors only when the gates drop components.
-        memory.meta["span_rows"] = bool(adapter.hard_gates(layer)[..., : self.rank(adapter)].all())
-        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], self.rank(adapter),
+        rank = stored_rank(adapter, c)
+        memory.meta["span_rows"] = bool(adapter.hard_gates(layer)[..., :rank].all())
+        spans = build_spans(keys, values, surprisal, [lay.spans for lay in layouts], rank,
                             factor=not memory.meta["span_rows"])
         self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, _host_parts(spans, memory))
         memory.host_tier.pop("surprisal", None)
-        memory.meta.update(mode="zoom", tail=c.recent, resident_cap=resident, zoom_rows=zoom_rows)
+        memory.meta.update(mode="zoom", tail=c.recent, zoom_rows=zoom_rows)
         for name in ("recall_keys", "recall_values"):
             memory.device_tier.pop(name, None)
         reserve_recall_buffer(memory, zoom_rows)
         # Unfilled slots are hidden by a -inf bias, but 0·NaN is NaN: never leave torch.empty garbage there.
         memory.device_tier["recall_keys"].zero_()
         memory.device_tier["recall_values"].zero_()
-
-    def rank(self, adapter: SeKVAdapter) -> int:
-        """Rank of the stored SVD factors: a span has at most ``max_span`` rows, so more is padding."""
-        return min(adapter.r_max, self.config.max_span)
 
     @staticmethod
     def _store_spans(memory, sum_k, sum_v, count, host_parts: dict[str, torch.Tensor]) -> None:
@@ -246,7 +249,7 @@ class SeKV(KVMethod):
         n_new = ok.sum(1)  # [b]
         spans = [[(0, int(n))] if int(n) > 0 else [] for n in n_new]
         # Generated rows carry no surprisal: uniform weights.
-        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, self.rank(adapter),
+        new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, stored_rank(adapter, c),
                           factor=not memory.meta["span_rows"])
         self._append_span(memory, new)
         keep = torch.cat([torch.arange(0, lo), torch.arange(hi, e)]).to(dev["keys"].device)
@@ -334,14 +337,6 @@ def _host_parts(spans, memory) -> dict[str, torch.Tensor]:
     return {"coef_k": spans.coef_k, "basis_k": spans.basis_k, "coef_v": spans.coef_v, "basis_v": spans.basis_v}
 
 
-def _adapter_settings(path: str) -> dict[str, Any]:
-    """The adapter folder's hyper-parameters that are fields of ``SeKVConfig`` (those it was trained with)."""
-    from zoomkv.adapters.checkpoint import load_checkpoint
-
-    fields = {f.name for f in dataclasses.fields(SeKVConfig)} - {"adapter_path"}
-    return {k: v for k, v in load_checkpoint(path).config.hyper.items() if k in fields}
-
-
 def greedy_zoom(route: torch.Tensor, count: torch.Tensor, zoom_rows: int) -> torch.Tensor:
     """``[b, h, S]`` bool: spans with ``route > 0``, best first, as long as their rows fit ``zoom_rows``
     (the first span that does not fit ends the walk, which keeps it vectorised)."""
@@ -359,10 +354,7 @@ def _bias(valid: torch.Tensor) -> torch.Tensor:
     ]
 
 
-def _pad_rows(t: torch.Tensor, size: int, dim: int = 3) -> torch.Tensor:
-    """Zero-pad the span-row axis of SVD coefficients (``[b, h, S, P, r]``) up to ``size``."""
-    short = size - t.shape[dim]
-    if short <= 0:
-        return t
-    pad = [0, 0] * (t.dim() - dim - 1) + [0, short]
-    return F.pad(t, pad)
+def _pad_rows(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the span-row axis of host-tier span tensors (``[b, h, S, P, r or d]``) up to ``size``."""
+    short = size - t.shape[3]
+    return t if short <= 0 else F.pad(t, [0, 0, 0, short])

@@ -85,6 +85,10 @@ class TrainConfig:
     def cache_dir(self) -> Path:
         return Path(self.teacher_cache) if self.teacher_cache else self.run_dir / "teacher"
 
+    @property
+    def task_list(self) -> list[str]:
+        return [t.strip() for t in self.tasks.split(",") if t.strip()]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

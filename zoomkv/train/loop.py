@@ -250,7 +250,7 @@ def train(cfg: TrainConfig) -> Path:
     mcfg = semantic.method_config(cfg) if cfg.method == "semantic_id" else SeKVConfig(**cfg.method_kwargs())
 
     # -- teacher signals, once (main process), then everyone reads the cache
-    tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    tasks = cfg.task_list
     samples = make_samples(tokenizer, tasks, cfg.num_samples, cfg.min_length, cfg.max_length, cfg.seed)
     fingerprint = {"model": cfg.model, "tasks": tasks, "num_samples": cfg.num_samples, "seed": cfg.seed,
                    "min_length": cfg.min_length, "max_length": cfg.max_length, "queries": cfg.queries_per_sample,
@@ -342,9 +342,7 @@ def train(cfg: TrainConfig) -> Path:
             (run_dir / "pairs.json").write_text(json.dumps(pairs, indent=2))
             say("pairs " + json.dumps(pairs))
         if cfg.eval_samples:
-            scores = evaluate(model, tokenizer, cfg, raw)
-            (run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
-            say("eval " + json.dumps(scores))
+            write_eval(cfg, evaluate(model, tokenizer, cfg, raw), say)
     accelerator.wait_for_everyone()  # the others wait while the main process writes and evaluates
     accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -395,8 +393,7 @@ def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> di
     from zoomkv.methods import get_method
     from zoomkv.methods.sekv import SeKV
 
-    tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
-    held = make_samples(tokenizer, tasks, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973)
+    held = make_samples(tokenizer, cfg.task_list, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973)
     texts = []
     for s in held:
         cut = s.text.rindex(s.answer)
@@ -404,7 +401,7 @@ def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> di
     methods: dict[str, Any] = {}
     for name, ad in (("fresh", None), ("trained", adapter)):
         if cfg.method == "semantic_id":
-            method = get_method("semantic_id", **{k: v for k, v in semantic.hyper(adapter, cfg).items()})
+            method = get_method("semantic_id", **semantic.hyper(adapter, cfg))
             method.attach_adapter(ad)  # None: the per-sequence PCA start the method uses untrained
         else:
             method = SeKV(adapter=ad, **cfg.method_kwargs())
@@ -429,6 +426,10 @@ def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
     loaded = load_checkpoint(folder)
     loaded.check_base(model)
     scores = evaluate(model, tokenizer, cfg, loaded.modules)
-    (cfg.run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
-    print("eval " + json.dumps(scores))
+    write_eval(cfg, scores, print)
     return scores
+
+
+def write_eval(cfg: TrainConfig, scores: dict[str, Any], say: Any) -> None:
+    (cfg.run_dir / "eval.json").write_text(json.dumps(scores, indent=2))
+    say("eval " + json.dumps(scores))

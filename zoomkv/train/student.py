@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from zoomkv.adapters.sekv import SeKVAdapter
 from zoomkv.methods._sekv_layout import build_spans, reconstruct, segment_row
-from zoomkv.methods.sekv import SeKVConfig, greedy_zoom, plan_budget
+from zoomkv.methods.sekv import SeKVConfig, greedy_zoom, plan_budget, stored_rank
 
 
 @dataclass
@@ -44,14 +44,14 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
         return None
     h, _, d = keys.shape
     g = query.shape[0] // h
-    _, zoom_rows, room = plan_budget(budget, cfg)
+    zoom_rows, room = plan_budget(budget, cfg)
     s = surprisal[:n]
     with torch.no_grad():  # the layout is discrete: cut it (with the current threshold) as inference would
         lay = segment_row(s, 0, n - cfg.recent, float(adapter.span_tau[layer]), sinks=cfg.sinks,
                           min_span=cfg.min_span, max_span=cfg.max_span, room=room)
         if not lay.spans:
             return None
-        sp = build_spans(keys[None, :, :n], values[None, :, :n], s[None], [lay.spans], min(adapter.r_max, cfg.max_span))
+        sp = build_spans(keys[None, :, :n], values[None, :, :n], s[None], [lay.spans], stored_rank(adapter, cfg))
     exact = torch.tensor(lay.exact + list(range(n - cfg.recent, n)), dtype=torch.long)
     count = sp.count[0]  # [S]
     log_n = count.log()

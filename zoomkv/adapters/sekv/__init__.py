@@ -100,9 +100,10 @@ def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
                        seed=int(hyper.get("init_seed", 0)))
 
 
-def load_adapter(folder: str | Path) -> SeKVAdapter:
-    """The ``SeKVAdapter`` of an adapter folder (``ZoomAdapter.save_pretrained`` / ``zoomkv export``, or the
-    trainer's ``adapter/``) or of a training checkpoint (``checkpoints/step_N``); safetensors + JSON only."""
+def load_sekv(folder: str | Path) -> Any:
+    """The sekv ``ZoomAdapter`` of an adapter folder (``ZoomAdapter.save_pretrained`` / ``zoomkv export``, or
+    the trainer's ``adapter/``) or of a training checkpoint (``checkpoints/step_N``): its modules and the
+    hyper-parameters it was trained with; safetensors + JSON only."""
     from zoomkv.adapters.checkpoint import load_checkpoint
     from zoomkv.adapters.errors import AdapterError
 
@@ -112,4 +113,9 @@ def load_adapter(folder: str | Path) -> SeKVAdapter:
         raise ConfigError(f"no sekv adapter in {folder}: {err}") from err
     if adapter.config.method != "sekv":
         raise ConfigError(f"{folder} holds an adapter for method {adapter.config.method!r}, not 'sekv'")
-    return adapter.modules
+    return adapter
+
+
+def load_adapter(folder: str | Path) -> SeKVAdapter:
+    """The ``SeKVAdapter`` modules of a folder ``load_sekv`` reads."""
+    return load_sekv(folder).modules
