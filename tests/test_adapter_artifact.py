@@ -19,9 +19,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zoomkv.adapters import base as adapter_base
 from zoomkv.adapters.card import load_scores, render_card
-from zoomkv.adapters.checkpoint import STATE_NAME, export_checkpoint, write_checkpoint
+from zoomkv.adapters.checkpoint import STATE_NAME, write_checkpoint
 from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
 from zoomkv.adapters.errors import (
     AdapterConfigError,
@@ -35,14 +34,17 @@ from zoomkv.adapters.errors import (
     AdapterWeightsError,
     BaseModelMismatchError,
 )
+from zoomkv.adapters.export import export_checkpoint
 from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ZoomKVError
-from zoomkv.memory.recall import padding_bias, recall_rows
-from zoomkv.methods import METHODS
-from zoomkv.methods.base import Selection, group_query
 from zoomkv.methods.oracle_topk import OracleTopK, OracleTopKConfig
 from zoomkv.models import load_model
+from zoomkv.protocol.method import Selection, group_query
+from zoomkv.protocol.recallable import padding_bias, recall_rows
+from zoomkv.protocol.registry import register_method, unregister_method
+from zoomkv.protocol.shape import ModelShape
+from zoomkv.protocol.training import MethodTraining
 
 PROBE = "adapter_probe"
 
@@ -54,8 +56,9 @@ class ProbeModules(torch.nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
 
-def build_probe(shape: adapter_base.ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
-    return ProbeModules(shape.num_layers, shape.num_kv_heads, shape.head_dim, float(hyper.get("scale", 1.0)))
+class ProbeTraining(MethodTraining):
+    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
+        return ProbeModules(shape.num_layers, shape.num_kv_heads, shape.head_dim, float(hyper.get("scale", 1.0)))
 
 
 @dataclass
@@ -89,11 +92,9 @@ class ProbeMethod(OracleTopK):
 
 @pytest.fixture
 def probe_method():
-    METHODS[PROBE] = ProbeMethod
-    adapter_base.ADAPTER_MODULES[PROBE] = build_probe
+    register_method(PROBE, ProbeConfig, ProbeMethod, training=ProbeTraining())
     yield PROBE
-    METHODS.pop(PROBE, None)
-    adapter_base.ADAPTER_MODULES.pop(PROBE, None)
+    unregister_method(PROBE)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +297,7 @@ def test_export_from_checkpoint_round_trip(tmp_path, probe_method, llama):
 
 
 def test_export_crash_leaves_nothing_loadable(tmp_path, probe_method, llama, monkeypatch):
-    import zoomkv.adapters.export as export
+    import zoomkv.adapters.files as export
 
     ckpt = _checkpoint(tmp_path, llama[0])
     out = tmp_path / "checkpoints" / "probe"
@@ -321,7 +322,7 @@ def test_export_crash_leaves_nothing_loadable(tmp_path, probe_method, llama, mon
 
 
 def test_crash_during_overwrite_keeps_previous_adapter(tmp_path, probe_method, llama, monkeypatch):
-    import zoomkv.adapters.export as export
+    import zoomkv.adapters.files as export
 
     model = llama[0]
     first = fresh_adapter(model, 0).save_pretrained(tmp_path / "a")
@@ -352,18 +353,16 @@ def test_sigkill_during_export_then_rerun(tmp_path, probe_method, llama):
 import os, signal, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_adapter_artifact as t
-from zoomkv.adapters import base
-import zoomkv.adapters.export as export
-from zoomkv.methods import METHODS
-METHODS[t.PROBE] = t.ProbeMethod
-base.ADAPTER_MODULES[t.PROBE] = t.build_probe
+import zoomkv.adapters.files as export
+from zoomkv.protocol.registry import register_method
+register_method(t.PROBE, t.ProbeConfig, t.ProbeMethod, training=t.ProbeTraining())
 real = export._fsync_dir
 def killer(path):
     real(path)
     if path == export.Path({str(out.parent)!r}):
         os.kill(os.getpid(), signal.SIGKILL)
 export._fsync_dir = killer
-from zoomkv.adapters.checkpoint import export_checkpoint
+from zoomkv.adapters.export import export_checkpoint
 export_checkpoint({str(ckpt)!r}, {str(out)!r})
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -20,9 +20,9 @@ from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import get_method
-from zoomkv.methods.base import PrefillContext
 from zoomkv.methods.compresskv import error_budgets, load_profile
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext
 
 FAMILIES = ["tiny-llama", "tiny-gemma3"]
 

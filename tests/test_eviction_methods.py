@@ -13,10 +13,11 @@ from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import BudgetError
 from zoomkv.memory import LayerMemory
-from zoomkv.methods import _evict, get_method
-from zoomkv.methods.base import KVMethod, PrefillContext, Selection
+from zoomkv.methods import get_method
 from zoomkv.methods.pyramidkv import pyramid_budgets
 from zoomkv.models import load_model
+from zoomkv.protocol import eviction
+from zoomkv.protocol.method import KVMethod, PrefillContext, Selection
 
 EVICTION = ["streamingllm", "snapkv", "pyramidkv", "chunkkv", "h2o"]
 NEG_INF = float("-inf")
@@ -134,7 +135,7 @@ def test_snapkv_scores_gqa_groups_and_full_causal_rows():
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[1, :3] = False
     ctx = PrefillContext(0, 1, keys, keys, queries, valid, 8, 0.5, g)
-    got = _evict.observation_scores(ctx, w)
+    got = eviction.observation_scores(ctx, w)
     ref = torch.zeros(b, kv, t)
     for bi in range(b):
         for h in range(kv * g):
@@ -240,14 +241,14 @@ def test_chunkkv_evicts_a_chunk_at_a_time_while_decoding(llama):
 
 # -- h2o ------------------------------------------------------------------------------------------------------
 def test_h2o_accumulated_scores_match_a_naive_reference(monkeypatch):
-    monkeypatch.setattr(_evict, "_SCORE_BLOCK_ELEMENTS", 64)  # force many query chunks
+    monkeypatch.setattr(eviction, "_SCORE_BLOCK_ELEMENTS", 64)  # force many query chunks
     torch.manual_seed(1)
     b, kv, g, t, d = 2, 2, 2, 10, 3
     keys, queries = torch.randn(b, kv, t, d), torch.randn(b, kv * g, t, d)
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[0, :4] = False
     ctx = PrefillContext(0, 1, keys, keys, queries, valid, 8, 0.7, g)
-    got = _evict.accumulated_scores(ctx)
+    got = eviction.accumulated_scores(ctx)
     ref = torch.zeros(b, kv, t)
     for bi in range(b):
         for h in range(kv * g):

@@ -19,10 +19,10 @@ from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
-from zoomkv.methods._infinigen import PROFILE_FILE, partial_channels, save_profile, skew_and_channels
-from zoomkv.methods.base import PrefillContext
 from zoomkv.methods.infinigen import estimate_scores, fetch_count
+from zoomkv.methods.infinigen_profile import PROFILE_FILE, partial_channels, save_profile, skew_and_channels
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext
 
 
 @functools.cache

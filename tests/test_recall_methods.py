@@ -16,9 +16,9 @@ from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import get_method
 from zoomkv.methods._kmeans import cosine_kmeans
-from zoomkv.methods.base import PrefillContext, Selection
 from zoomkv.methods.quest import page_bounds, page_upper_bound
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext, Selection
 
 
 @functools.cache

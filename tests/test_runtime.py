@@ -13,8 +13,8 @@ from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
-from zoomkv.methods.base import Selection
 from zoomkv.models import load_model
+from zoomkv.protocol.method import Selection
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 
@@ -161,7 +161,7 @@ def test_oracle_recalls_the_true_top_rows():
     keys[0, 0, :, 0] = torch.tensor([0.0, 5, 0, 1, 9, 0, 0, 7, 0, 2])
     values = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1).expand(1, 1, 10, d).clone()
     memory.lazy_initialization(keys, values)
-    from zoomkv.methods.base import PrefillContext
+    from zoomkv.protocol.method import PrefillContext
 
     ctx = PrefillContext(0, 1, keys, values, torch.zeros(1, 1, 10, d), None, 3, 1.0, 1)
     method.compress(memory, ctx)

@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from zoomkv import ZoomCache
-from zoomkv.adapters.base import ModelShape, base_fingerprint, build_adapter_modules
-from zoomkv.adapters.model import ZoomAdapter
-from zoomkv.adapters.sekv import SeKVAdapter
+from zoomkv.adapters.errors import AdapterNotFoundError
+from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules
 from zoomkv.errors import ConfigError
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
-from zoomkv.methods._sekv_layout import _factor, build_spans, reconstruct, segment_row
-from zoomkv.methods.base import PrefillContext
-from zoomkv.methods.sekv import SeKV
+from zoomkv.methods.sekv.layout import _factor, build_spans, reconstruct, segment_row
+from zoomkv.methods.sekv.method import SeKV
+from zoomkv.methods.sekv.modules import SeKVAdapter
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext
+from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
 H, D, G = 2, 16, 2  # KV heads, head dim, query heads per KV head
 
@@ -216,18 +217,20 @@ def test_adapter_by_module_or_folder(config, tmp_path):
     assert get_method("sekv", adapter=adapter).adapter is adapter
     ZoomAdapter.from_modules(adapter, "sekv", {**adapter.hyper()}, shape=shape,
                              fingerprint=base_fingerprint(config, name="tiny-llama")).save_pretrained(tmp_path / "ad")
-    loaded = get_method("sekv", adapter_path=str(tmp_path / "ad")).adapter
+    loaded = ZoomAdapter.from_pretrained(tmp_path / "ad").make_method().adapter
     # the settings an adapter was trained with come with it, unless given explicitly
     ZoomAdapter.from_modules(adapter, "sekv", {**adapter.hyper(), "max_span": 16, "anchor_fraction": 0.2},
                              shape=shape, fingerprint=base_fingerprint(config, name="tiny-llama")
                              ).save_pretrained(tmp_path / "ad16")
-    assert get_method("sekv", adapter_path=str(tmp_path / "ad16")).config.max_span == 16
-    assert get_method("sekv", adapter=str(tmp_path / "ad16")).config.anchor_fraction == 0.2
-    assert get_method("sekv", adapter_path=str(tmp_path / "ad16"), max_span=8).config.max_span == 8
+    assert ZoomAdapter.from_pretrained(tmp_path / "ad16").make_method().config.max_span == 16
+    assert ZoomAdapter.from_pretrained(str(tmp_path / "ad16")).make_method().config.anchor_fraction == 0.2
+    assert ZoomAdapter.from_pretrained(tmp_path / "ad16").make_method(max_span=8).config.max_span == 8
     for (k, a), (_, b) in zip(adapter.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
-    with pytest.raises(ConfigError, match="no sekv adapter"):
-        get_method("sekv", adapter_path=str(tmp_path / "missing"))
+    with pytest.raises(AdapterNotFoundError, match="no such folder"):
+        ZoomAdapter.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="SeKVAdapter"):
+        get_method("sekv", adapter=str(tmp_path / "ad16"))
     wrong = SeKVAdapter(3, H, D, proj_dim=2, share_projector=True)
     keys, values, _ = _pointed_keys()
     with pytest.raises(ConfigError, match="built for 3 layers"):

@@ -11,16 +11,17 @@ import torch
 
 from tests.helpers import assert_all_tensors_in_tiers
 from zoomkv import ZoomCache
-from zoomkv.adapters.base import ModelShape, build_adapter_modules
-from zoomkv.adapters.semantic_projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.adapters.model import build_adapter_modules
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import BudgetError, ConfigError
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
-from zoomkv.methods._semantic import COMPRESSED, RAW, RECALLED, match_score
-from zoomkv.methods.base import PrefillContext, Selection
+from zoomkv.methods.semantic_id.merging import COMPRESSED, RAW, RECALLED, match_score
+from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext, Selection
+from zoomkv.protocol.shape import ModelShape
 
 D = 8
 SCALE = D**-0.5
@@ -122,7 +123,7 @@ def test_projector_travels_as_a_zoomkv_adapter(tmp_path):
     adapter = ZoomAdapter.initialise(tiny_llama()[0], "semantic_id", {"sem_dim": 8, "hidden": 16})
     assert isinstance(adapter.make_method()._projector, SemanticProjector)  # through attach_adapter
     adapter.save_pretrained(tmp_path / "adapter")
-    method = get_method("semantic_id", sem_dim=8, hidden=16, projector=str(tmp_path / "adapter"))
+    method = ZoomAdapter.from_pretrained(tmp_path / "adapter").make_method(sem_dim=8, hidden=16)
     x = torch.randn(3, 32)
     torch.testing.assert_close(method._projector(x), adapter.modules(x))
 

@@ -16,7 +16,6 @@ from zoomkv.errors import ConfigError
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
-from zoomkv.methods.base import PrefillContext, Selection
 from zoomkv.methods.semanticache import (
     ChunkSimilarity,
     cluster_counts,
@@ -26,6 +25,7 @@ from zoomkv.methods.semanticache import (
     proportional_bias,
 )
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext, Selection
 
 COMMA, DOT = 3 + ord(","), 3 + ord(".")
 

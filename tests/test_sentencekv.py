@@ -16,8 +16,8 @@ from zoomkv.errors import ConfigError
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import get_method
 from zoomkv.methods._segments import CLAUSE_MARKS, boundary_token_ids, segment_ids
-from zoomkv.methods.base import PrefillContext, Selection
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext, Selection
 
 DOT, NL = 3 + ord("."), 3 + ord("\n")  # the tiny byte tokenizer: byte b is id 3 + b
 

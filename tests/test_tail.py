@@ -11,8 +11,8 @@ from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
 from zoomkv.memory.attention import attend
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
-from zoomkv.methods.base import PrefillContext, Selection
 from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext, Selection
 
 
 def _memory():

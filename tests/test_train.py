@@ -78,9 +78,9 @@ def test_oversized_adapter_is_refused(capsys):
 
 def _loss_decreases(cache: Path) -> None:
     """On one cached sample, every layer, the full objective (budget penalty fully ramped in)."""
-    from zoomkv.adapters.sekv import SeKVAdapter
-    from zoomkv.methods.sekv import SeKVConfig
-    from zoomkv.train.loop import step_loss
+    import random
+
+    from zoomkv.methods.sekv.modules import SeKVAdapter
     from zoomkv.train.teacher import load_sample
 
     cfg = load_recipe(TINY)
@@ -90,7 +90,7 @@ def _loss_decreases(cache: Path) -> None:
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.05)
     losses = []
     for _ in range(6):
-        loss, _ = step_loss(adapter, sample, layers, cfg, SeKVConfig(**cfg.method_kwargs()), step=10**6)
+        loss, _ = cfg.training.step_loss(adapter, sample, layers, cfg, 10**6, random.Random(0))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -129,7 +129,7 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     # safetensors + JSON only: nothing a resume or an export reads is a pickle
     assert not [f for f in ckpt.rglob("*") if f.suffix in (".pkl", ".bin", ".pt", ".pth")]
     # the final adapter and any step checkpoint load as ZoomAdapters (and export)
-    from zoomkv.adapters.checkpoint import export_checkpoint
+    from zoomkv.adapters.export import export_checkpoint
     from zoomkv.adapters.model import ZoomAdapter
 
     final = ZoomAdapter.from_pretrained(tmp_path / "a" / "sekv-tiny" / "adapter")
@@ -187,9 +187,9 @@ def test_tensorboard_logs_the_losses(tmp_path):
 def test_router_loss_prefers_the_ranking_of_the_teacher():
     """The listwise router loss: lower when the router ranks first the span holding the teacher's mass, and
     its gradient moves the projector towards that ranking."""
-    from zoomkv.adapters.sekv import SeKVAdapter
-    from zoomkv.methods.sekv import SeKVConfig
-    from zoomkv.train.student import position_losses
+    from zoomkv.methods.sekv.method import SeKVConfig
+    from zoomkv.methods.sekv.modules import SeKVAdapter
+    from zoomkv.methods.sekv.objective import position_losses
 
     g = torch.Generator().manual_seed(0)
     h, t, d = 1, 160, 16

@@ -14,10 +14,10 @@ import torch
 from tests.helpers import greedy, padded_batch
 from zoomkv import ZoomCache
 from zoomkv.adapters.model import ZoomAdapter
-from zoomkv.adapters.semantic_projector import SemanticProjector
-from zoomkv.methods.semantic_id import simhash_ids
+from zoomkv.methods.semantic_id.method import simhash_ids
+from zoomkv.methods.semantic_id.objective import collision_probability, pair_targets
+from zoomkv.methods.semantic_id.projector import SemanticProjector
 from zoomkv.models import load_model
-from zoomkv.train.semantic import collision_probability, pair_targets
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny-llama-semantic-id.yaml"

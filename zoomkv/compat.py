@@ -78,3 +78,10 @@ def layer_types(config: Any) -> list[str]:
 
 def sliding_window(config: Any) -> int | None:
     return getattr(text_config(config), "sliding_window", None)
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder's final norm (the last module before the LM head), or None."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    return getattr(decoder, "norm", None)

@@ -19,7 +19,7 @@ from zoomkv.errors import PromptError
 from zoomkv.memory import MemoryReport, ZoomCache
 
 if TYPE_CHECKING:
-    from zoomkv.methods.base import KVMethod
+    from zoomkv.protocol.method import KVMethod
 
 
 @dataclass

@@ -1,17 +1,12 @@
-"""Trainable adapters of zoomkv methods and the adapter artefact (see base.py for the contract)."""
+"""The adapter artefact: a trained method's modules as a PEFT-style folder (``adapter_config.json``,
+``adapter_model.safetensors``, model card), training checkpoints, export, the Hub and the PEFT method.
+The modules themselves belong to their method (``zoomkv.methods.<name>``) and are found through the
+method registry."""
 
-from typing import Any
+from zoomkv.adapters.checkpoint import write_checkpoint
+from zoomkv.adapters.config import ZoomAdapterConfig
+from zoomkv.adapters.export import export_checkpoint
+from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter
 
-_EXPORTS = {"ZoomAdapter": "zoomkv.adapters.model", "cache_from_adapter": "zoomkv.adapters.model",
-            "ZoomAdapterConfig": "zoomkv.adapters.config", "export_checkpoint": "zoomkv.adapters.checkpoint",
-            "write_checkpoint": "zoomkv.adapters.checkpoint"}
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: method modules import zoomkv.adapters.<method> while zoomkv.methods is being imported, and the
-    # artefact layer imports zoomkv.methods; importing it eagerly here would make that a cycle.
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ZoomAdapter", "ZoomAdapterConfig", "build_adapter_modules", "cache_from_adapter", "export_checkpoint",
+           "write_checkpoint"]

@@ -1,4 +1,5 @@
-"""The training checkpoint layout ``zoomkv export`` reads, and the export itself.
+"""The training checkpoint layout: what the trainer writes every ``save_every`` steps and ``zoomkv export``
+(``ZoomAdapter.from_pretrained``) reads.
 
 A training checkpoint folder holds (other files, e.g. optimizer state or the resolved recipe, are ignored):
 
@@ -19,12 +20,11 @@ from typing import Any
 
 import torch
 
-from zoomkv.adapters.base import ModelShape
-from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
+from zoomkv.adapters.config import CONFIG_NAME
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
-from zoomkv.adapters.export import write_folder_atomically
-from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.weights import module_tensors, read_weights, tensors_to_bytes
+from zoomkv.protocol.shape import ModelShape
 
 STATE_NAME = "adapter_state.safetensors"
 META_NAME = "adapter_meta.json"
@@ -50,12 +50,16 @@ def write_checkpoint(folder: str | Path, modules: torch.nn.Module, *, method: st
     return write_folder_atomically(folder, files, overwrite=overwrite)
 
 
-def load_checkpoint(path: str | Path) -> ZoomAdapter:
+def is_checkpoint(path: Path) -> bool:
+    """A training checkpoint folder (not an exported adapter, which has its own config and weights)."""
+    return (path / META_NAME).is_file() and (path / STATE_NAME).is_file() and not (path / CONFIG_NAME).is_file()
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], ModelShape, dict[str, torch.Tensor]]:
+    """``(meta, shape, tensors)`` of a training checkpoint folder; safetensors + JSON only."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterNotFoundError(f"checkpoint folder not found: {path}")
-    if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
-        return ZoomAdapter.from_pretrained(path)
     if not (path / META_NAME).is_file() or not (path / STATE_NAME).is_file():
         raise AdapterNotFoundError(
             f"{path} is not a training checkpoint: it needs {STATE_NAME} and {META_NAME} (or an exported adapter)"
@@ -75,24 +79,4 @@ def load_checkpoint(path: str | Path) -> ZoomAdapter:
         shape = ModelShape(**shape_data)
     except TypeError as err:
         raise AdapterConfigError(f"{path / META_NAME}: invalid 'shape' ({err})") from err
-    tensors = read_weights(path / STATE_NAME)
-    from zoomkv.adapters.base import build_adapter_modules
-    from zoomkv.adapters.weights import load_into
-
-    modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]))
-    load_into(modules, tensors, source=str(path / STATE_NAME))
-    return ZoomAdapter.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
-                                    fingerprint=meta["base_model"], budget=meta.get("budget"))
-
-
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, scores: dict[str, Any] | None = None,
-                      budget: str | int | float | None = None, overwrite: bool = False) -> Path:
-    """Checkpoint → adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``)."""
-    import dataclasses
-
-    adapter = load_checkpoint(checkpoint)
-    if budget is not None:
-        adapter.config = dataclasses.replace(adapter.config, budget=budget)
-    out = adapter.save_pretrained(out, scores=scores, overwrite=overwrite)
-    ZoomAdapter.from_pretrained(out)  # read back what was written: an export that cannot load is a bug
-    return out
+    return meta, shape, read_weights(path / STATE_NAME)

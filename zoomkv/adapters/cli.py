@@ -25,7 +25,7 @@ def _budget(text: str | None) -> str | int | float | None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from zoomkv.adapters.card import load_scores
-    from zoomkv.adapters.checkpoint import export_checkpoint
+    from zoomkv.adapters.export import export_checkpoint
 
     scores = load_scores(args.scores) if args.scores else None
     checkpoint = Path(args.checkpoint)

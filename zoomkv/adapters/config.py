@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zoomkv.adapters.base import FINGERPRINT_KEYS, ModelShape
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError, AdapterVersionError
+from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from zoomkv.adapters.config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 from zoomkv.adapters.errors import AdapterError, AdapterNotFoundError, AdapterOfflineError
-from zoomkv.adapters.export import is_incomplete
+from zoomkv.adapters.files import is_incomplete
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TRUE = {"1", "true", "yes", "on"}

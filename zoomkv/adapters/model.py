@@ -5,7 +5,7 @@
     out = model.generate(**inputs, cache=cache)
 
 The modules are rebuilt from ``adapter_config.json`` through the method's registered builder
-(``build_adapter_modules``), then filled from ``adapter_model.safetensors``. Nothing is unpickled and no
+(``build_adapter_modules``, through the method registry), then filled from ``adapter_model.safetensors``. Nothing is unpickled and no
 code from the folder runs.
 """
 
@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zoomkv.adapters.base import FINGERPRINT_KEYS, ModelShape, base_fingerprint, build_adapter_modules
+from zoomkv.adapters.card import render_card
+from zoomkv.adapters.checkpoint import STATE_NAME, is_checkpoint, read_checkpoint
 from zoomkv.adapters.config import (
     CARD_NAME,
     CONFIG_NAME,
@@ -29,8 +31,18 @@ from zoomkv.adapters.config import (
     ZoomAdapterConfig,
 )
 from zoomkv.adapters.errors import AdapterConfigError, AdapterError, BaseModelMismatchError
+from zoomkv.adapters.files import write_folder_atomically
+from zoomkv.adapters.hub import push_folder, resolve_adapter
 from zoomkv.adapters.weights import load_into, module_tensors, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
+from zoomkv.memory.cache import ZoomCache, attach
+from zoomkv.protocol.registry import METHODS, get_method, get_training
+from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, base_fingerprint
+
+
+def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
+    """The trainable modules an adapter config describes, built by the method's registered training."""
+    return get_training(method).build_modules(shape, hyper)
 
 
 def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
@@ -91,22 +103,27 @@ class ZoomAdapter:
     def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
                         token: str | bool | None = None, local_files_only: bool | None = None,
                         model: torch.nn.Module | None = None) -> ZoomAdapter:
-        """Load from a folder or a Hub id (through the local Hub cache; offline: only the cache).
-        With ``model``, also check the adapter fits it."""
-        from zoomkv.adapters.hub import resolve_adapter
-
-        folder = resolve_adapter(name_or_path, revision=revision, token=token, local_files_only=local_files_only)
-        config = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME)
-        tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256)
-        adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
+        """Load from an adapter folder, a training checkpoint folder (``checkpoints/step_N``) or a Hub id
+        (through the local Hub cache; offline: only the cache). With ``model``, also check the adapter fits it.
+        The one loader: ``--adapter``, ``zoomkv export``, ``init_adapter`` and PEFT all come through here."""
+        local = Path(name_or_path).expanduser() if isinstance(name_or_path, str | Path) else None
+        if local is not None and local.is_dir() and is_checkpoint(local):
+            meta, shape, tensors = read_checkpoint(local)
+            modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]))
+            load_into(modules, tensors, source=str(local / STATE_NAME))
+            adapter = cls.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
+                                       fingerprint=meta["base_model"], budget=meta.get("budget"))
+        else:
+            folder = resolve_adapter(name_or_path, revision=revision, token=token, local_files_only=local_files_only)
+            config = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME)
+            tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256)
+            adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
         if model is not None:
             adapter.check_base(model)
         return adapter
 
     def serialise(self, scores: dict[str, Any] | None = None) -> dict[str, bytes]:
         """The folder's files, in write order (the config records the weights' checksum)."""
-        from zoomkv.adapters.card import render_card
-
         weights = tensors_to_bytes(module_tensors(self.modules))
         self.config = dataclasses.replace(self.config, weights_sha256=sha256(weights))
         return {
@@ -117,17 +134,11 @@ class ZoomAdapter:
 
     def save_pretrained(self, out: str | Path, *, scores: dict[str, Any] | None = None,
                         overwrite: bool = False) -> Path:
-        from zoomkv.adapters.export import write_folder_atomically
-
         return write_folder_atomically(out, self.serialise(scores), overwrite=overwrite)
 
     def push_to_hub(self, repo_id: str, *, scores: dict[str, Any] | None = None, private: bool | None = None,
                     token: str | None = None, revision: str | None = None, commit_message: str | None = None,
                     endpoint: str | None = None) -> str:
-        import tempfile
-
-        from zoomkv.adapters.hub import push_folder
-
         with tempfile.TemporaryDirectory(prefix="zoomkv-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "adapter", scores=scores)
             return push_folder(folder, repo_id, private=private, token=token, revision=revision,
@@ -149,8 +160,6 @@ class ZoomAdapter:
 
     def attach(self, model: torch.nn.Module) -> torch.nn.Module:
         """Check the base model, put the modules on its device and route its attention through zoomkv."""
-        from zoomkv.memory.cache import attach
-
         self.check_base(model)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.modules.to(device)
@@ -164,8 +173,6 @@ class ZoomAdapter:
         modules. The modules reach the method as ``get_method(name, adapter=modules)`` when its constructor
         or config takes an ``adapter`` (sekv), else through ``method.attach_adapter(modules)``.
         """
-        from zoomkv.methods import METHODS, get_method
-
         name = self.config.method
         if name not in METHODS:
             raise ConfigError(f"adapter method {name!r} is not a registered KV method")
@@ -190,10 +197,7 @@ def _model_revision(model: Any) -> str | None:
 def cache_from_adapter(model: torch.nn.Module, adapter: ZoomAdapter | str | Path,
                        budget: str | int | float | None = None, *, tokenizer: Any = None,
                        **method_overrides: Any) -> Any:
-    """A ``ZoomCache`` running the adapter's method with its modules (budget: the adapter's own when None).
-    The proposed ``ZoomCache.from_adapter`` classmethod is this function."""
-    from zoomkv.memory.cache import ZoomCache
-
+    """A ``ZoomCache`` running the adapter's method with its modules (budget: the adapter's own when None)."""
     if not isinstance(adapter, ZoomAdapter):
         adapter = ZoomAdapter.from_pretrained(adapter)
     adapter.attach(model)

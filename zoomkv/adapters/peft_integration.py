@@ -44,7 +44,6 @@ from peft import PeftConfig, PeftModel
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import PeftType
 
-from zoomkv.adapters.base import ModelShape, base_fingerprint, build_adapter_modules
 from zoomkv.adapters.config import (
     FORMAT_VERSION,
     LIBRARY_NAME,
@@ -54,7 +53,8 @@ from zoomkv.adapters.config import (
     ZoomAdapterConfig,
 )
 from zoomkv.adapters.errors import AdapterError, AdapterKeysError, AdapterShapeError, BaseModelMismatchError
-from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter, fingerprint_diff
+from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
+from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
 PEFT_NAME = "zoomkv"
 PEFT_TYPE_VALUE = PEFT_TYPE

@@ -10,16 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
-import re
-from pathlib import Path
-
-
-def profile_dir(model_name: str) -> Path:
-    """Where calibration profiles of ``model_name`` (a registered name, hub id or path) live."""
-    from zoomkv.models import cache_dir
-
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "--", model_name.strip("/")) or "model"
-    return cache_dir() / "profiles" / safe
 
 
 def profile_modules() -> dict[str, object]:

@@ -107,8 +107,8 @@ class Recorder:
     steps: dict[int, int] = field(default_factory=dict)
 
     def prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> None:
-        from zoomkv.methods._evict import observation_scores, pool_scores
-        from zoomkv.methods.base import PrefillContext
+        from zoomkv.protocol.eviction import observation_scores, pool_scores
+        from zoomkv.protocol.method import PrefillContext
 
         length = key.shape[2]
         self.prompt_len[layer] = length

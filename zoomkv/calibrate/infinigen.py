@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods._infinigen import PROFILE_FILE, save_profile, skew_and_channels
+from zoomkv.methods.infinigen_profile import PROFILE_FILE, save_profile, skew_and_channels
 
 HELP = "InfiniGen: per-layer SVD skew of post-RoPE queries and the top fifth of the skewed channels"
 
@@ -53,8 +53,8 @@ def calibration_ids(tokenizer: Any, text: str, tokens: int) -> torch.Tensor:
 def build_profile(model: Any, input_ids: torch.Tensor, model_name: str, partial_ratio: float = 0.2,
                   output: Path | None = None) -> Path:
     """Record one prefill of ``input_ids`` (``[1, T]``) and write the profile; returns its path."""
-    from zoomkv.calibrate import profile_dir
     from zoomkv.memory.replay import record_prefill
+    from zoomkv.protocol.profiles import profile_dir
 
     if not 0.0 < partial_ratio <= 1.0:
         raise ZoomKVError(f"--partial-ratio must lie in (0, 1], got {partial_ratio}")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
-from zoomkv.methods.base import PrefillContext, Selection
+from zoomkv.protocol.method import PrefillContext, Selection
 
 ATTENTION_NAME = "zoomkv"
 

@@ -26,8 +26,8 @@ from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.memory.surprisal import token_surprisal
-from zoomkv.methods import get_method
-from zoomkv.methods.base import KVMethod
+from zoomkv.protocol.method import KVMethod
+from zoomkv.protocol.registry import get_method
 
 
 @dataclass
@@ -149,15 +149,6 @@ class ZoomCache(Cache):
         if hasattr(model_or_config, "config"):
             attach(model_or_config)
 
-    @classmethod
-    def from_adapter(cls, model: Any, adapter: Any, budget: str | int | float | Budget | None = None,
-                     **kwargs: Any) -> ZoomCache:
-        """A cache running a trained adapter (``ZoomAdapter``, folder or Hub id): checks the base model,
-        attaches, and uses the adapter's budget when ``budget`` is None."""
-        from zoomkv.adapters.model import cache_from_adapter
-
-        return cache_from_adapter(model, adapter, budget, **kwargs)
-
     # transformers calls this right before the attention function of the same layer
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         if isinstance(self.layers[layer_idx], LayerMemory):
@@ -205,7 +196,7 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     compat.set_attention(model, ATTENTION_NAME)
     if not getattr(model, "_zoomkv_hooked", False):
         model.register_forward_pre_hook(_capture_prompt_ids, with_kwargs=True)
-        norm = _final_norm(model)
+        norm = compat.final_norm(model)
         if norm is not None:
             norm.register_forward_hook(functools.partial(_after_final_norm, model))
         model._zoomkv_hooked = True
@@ -235,12 +226,6 @@ def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, 
     cache.step_ids = ids
     if cache.get_seq_length() == 0:
         cache.prompt_ids = ids
-
-
-def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if get_decoder is not None else None
-    return getattr(decoder, "norm", None)
 
 
 def _after_final_norm(model: torch.nn.Module, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:

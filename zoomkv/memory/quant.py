@@ -112,7 +112,3 @@ class QuantizedRowBuffer(RowBuffer):
 
     def view(self) -> torch.Tensor:
         return dequantize(self.codes.view(), self.scale.view(), self.lo.view(), self.spec.bits, self.dtype)
-
-    def max_error(self) -> torch.Tensor:
-        """The per-group rounding bound: half a quantization step (plus fp16 rounding of the scale)."""
-        return self.scale.view().float() / 2

@@ -20,10 +20,10 @@ import torch
 from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.memory.attention import compress_layer
-from zoomkv.memory.cache import ZoomCache, _final_norm
+from zoomkv.memory.cache import ZoomCache
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.surprisal import token_surprisal
-from zoomkv.methods.base import KVMethod, PrefillContext
+from zoomkv.protocol.method import KVMethod, PrefillContext
 
 
 @dataclass
@@ -49,7 +49,7 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     cache = ZoomCache(model, "full")
     cache.recorder = {}
     captured: dict[str, torch.Tensor] = {}
-    norm = _final_norm(model)
+    norm = compat.final_norm(model)
     handle = norm.register_forward_hook(lambda m, a, out: captured.update(hidden=out)) if norm is not None else None
     start = time.perf_counter()
     # Positions as generate() computes them: left padding does not shift the real tokens' positions.
@@ -77,7 +77,7 @@ def cache_from_record(
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **cache_kwargs)
     cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)
-    surprisal = _record_surprisal(model, record) if cache.method.needs_surprisal else None
+    surprisal = record_surprisal(model, record) if cache.method.needs_surprisal else None
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LayerMemory):
             ctx = record.contexts[i]
@@ -94,7 +94,7 @@ def cache_from_record(
     return cache
 
 
-def _record_surprisal(model: Any, record: PrefillRecord) -> torch.Tensor:
+def record_surprisal(model: Any, record: PrefillRecord) -> torch.Tensor:
     if record.surprisal is None:
         if record.final_hidden is None:
             raise RuntimeError("this prefill record has no final hidden states to compute surprisal from")

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from zoomkv.methods.base import PrefillContext, Selection
+from zoomkv.protocol.method import PrefillContext, Selection
 
 
 def init_tail(memory, ctx: PrefillContext) -> None:

@@ -10,17 +10,6 @@ from __future__ import annotations
 import torch
 
 
-def host_device_for(device: torch.device) -> torch.device:
-    return torch.device("cpu")
-
-
-def pin_if_possible(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Pin host memory when the device tier is a GPU; pinning is meaningless (and slow) without one."""
-    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
-        return tensor.pin_memory()
-    return tensor
-
-
 class RowBuffer:
     """A ``[batch, heads, capacity, dim]`` tensor filled along the row axis.
 

@@ -26,7 +26,7 @@ from zoomkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
-    from zoomkv.methods.base import PrefillContext
+    from zoomkv.protocol.method import PrefillContext
 
 # Characters that end a sentence (SentenceKV's published list: . ! ? and their CJK forms, ellipses and
 # newlines), and the wider set of delimiters that end a clause (SemantiCache also cuts at , ; :).

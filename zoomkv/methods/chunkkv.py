@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods._evict import (
+from zoomkv.protocol.eviction import (
     EvictionMethod,
     check_pooling,
     gather_rows,
@@ -44,8 +44,7 @@ from zoomkv.methods._evict import (
     window_scores,
     with_window,
 )
-from zoomkv.methods.base import MethodConfig, PrefillContext
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.method import MethodConfig, PrefillContext
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -72,7 +71,6 @@ class ChunkKVConfig(MethodConfig):
         check_pooling(self.kernel_size, self.pooling)
 
 
-@register_method
 class ChunkKV(EvictionMethod):
     """Whole top-scoring chunks + the observation window; adjacent compressed layers reuse the indices.
 

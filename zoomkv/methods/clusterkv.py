@@ -36,19 +36,12 @@ import torch
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods._kmeans import cosine_kmeans, num_clusters
-from zoomkv.methods._recallable import (
-    append_host_rows,
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import (
+    RecallableMethod,
     check_dense_layers,
-    dense_append,
-    dense_select,
     host_length,
-    is_dense,
-    keep_dense,
-    kv_rows,
-    store_host_rows,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
 
 
 @dataclass
@@ -70,36 +63,25 @@ class ClusterKVConfig(MethodConfig):
         check_dense_layers(self.dense_layers)
 
 
-@register_method
-class ClusterKV(KVMethod):
+class ClusterKV(RecallableMethod):
     name = "clusterkv"
     config_class = ClusterKVConfig
     citation = (
         "Liu et al., ClusterKV: Manipulating LLM KV Cache in Semantic Space for Recallable Compression, DAC 2025"
     )
     summary = "16 sinks + cosine k-means clusters of keys; recall whole clusters ranked by q·centroid"
-    recallable = True
 
     config: ClusterKVConfig
 
     def min_budget(self) -> int:
         return self.config.num_sinks + 2  # sinks, one pending (the newest) row, one recalled row
 
-    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        return layer_idx < self.config.dense_layers
-
-    def device_rows(self, memory) -> int:
-        # The single device KV buffer (sinks + recall region + pending rows), at its allocated capacity.
-        # Centroids and sizes are metadata: counted in bytes, not rows.
-        return kv_rows(memory.device_tier.get("keys"))
+    # Device rows: one KV buffer (sinks + recall region + pending rows) at its allocated capacity, held as
+    # "keys" (RecallableMethod.device_rows); centroids and sizes are metadata: counted in bytes, not rows.
 
     # -- prefill ----------------------------------------------------------------------------------------
-    def compress(self, memory, ctx: PrefillContext) -> None:
-        if self.dense_layer(ctx.layer_idx, ctx.num_layers):
-            keep_dense(memory, ctx)
-            return
+    def build_index(self, memory, ctx: PrefillContext) -> None:
         cfg = self.config
-        store_host_rows(memory, ctx)
         b, h, t, _ = ctx.keys.shape
         budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget)
         sinks = min(cfg.num_sinks, t)
@@ -148,12 +130,8 @@ class ClusterKV(KVMethod):
         )
 
     # -- decode -----------------------------------------------------------------------------------------
-    def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        if is_dense(memory):
-            dense_append(memory, key, value)
-            return
+    def index_append(self, memory, key: torch.Tensor, value: torch.Tensor, before: int) -> None:
         meta = memory.meta
-        append_host_rows(memory, key, value)
         if meta["pending"] >= meta["pending_cap"]:
             self._cluster_pending(memory)
         sinks, pending = meta["sinks"], meta["pending"]
@@ -171,9 +149,7 @@ class ClusterKV(KVMethod):
         meta["pending_start"] = start
         meta["pending"] = pending + 1
 
-    def select(self, memory, query: torch.Tensor) -> Selection:
-        if is_dense(memory):
-            return dense_select(memory)
+    def select_rows(self, memory, query: torch.Tensor) -> Selection:
         meta = memory.meta
         sinks, start, pending = meta["sinks"], meta["pending_start"], meta["pending"]
         recall = start - sinks

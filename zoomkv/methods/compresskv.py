@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.methods._evict import (
+from zoomkv.protocol.eviction import (
     NEG_INF,
     EvictionMethod,
     check_pooling,
@@ -61,8 +61,7 @@ from zoomkv.methods._evict import (
     top_rows_and_window,
     window_scores,
 )
-from zoomkv.methods.base import MethodConfig, PrefillContext
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.method import MethodConfig, PrefillContext
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -77,7 +76,7 @@ def calibrate_command(model: str | None) -> str:
 
 
 def default_profile_path(model: str) -> Path:
-    from zoomkv.calibrate import profile_dir
+    from zoomkv.protocol.profiles import profile_dir
 
     return profile_dir(model) / PROFILE_FILE
 
@@ -177,7 +176,6 @@ class CompressKVConfig(MethodConfig):
             raise ConfigError("min_layer_budget and max_layer_factor must be at least 1")
 
 
-@register_method
 class CompressKV(EvictionMethod):
     """SnapKV votes from the semantic retrieval heads only, under error-proportional layer budgets.
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from zoomkv.memory.tiers import RowBuffer
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection
 
 
 @dataclass
@@ -16,7 +15,6 @@ class FullConfig(MethodConfig):
     pass
 
 
-@register_method
 class Full(KVMethod):
     name = "full"
     config_class = FullConfig

@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods._evict import EvictionMethod, accumulated_scores, padding_bias, store_rows
-from zoomkv.methods.base import MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.eviction import EvictionMethod, accumulated_scores, kept_padding_bias, store_rows
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -54,7 +53,6 @@ class H2OConfig(MethodConfig):
             )
 
 
-@register_method
 class H2O(EvictionMethod):
     """Heavy hitters (largest accumulated attention) + recent window, evicting greedily while decoding.
 
@@ -111,7 +109,7 @@ class H2O(EvictionMethod):
 
     def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         keys, values = memory.device_tier["keys"], memory.device_tier["values"]
-        bias = padding_bias(memory)
+        bias = kept_padding_bias(memory)
         q = group_query(query, keys.shape[1]).float()  # [b, h, groups, d]
         logits = torch.matmul(q, keys.float().transpose(-1, -2)) * memory.meta["scaling"]
         if bias is not None:

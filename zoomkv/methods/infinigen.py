@@ -45,24 +45,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ConfigError
-from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
 from zoomkv.memory.speculation import speculative_query
 from zoomkv.memory.tiers import RowBuffer
-from zoomkv.methods._infinigen import load_layer, resolve_profile
-from zoomkv.methods._recallable import (
-    append_host_rows,
+from zoomkv.methods.infinigen_profile import load_layer, resolve_profile
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import (
+    RecallableMethod,
     check_dense_layers,
-    dense_append,
-    dense_select,
     host_length,
     host_valid,
-    is_dense,
-    keep_dense,
-    kv_rows,
-    store_host_rows,
+    padding_bias,
+    recall_rows,
+    reserve_recall_buffer,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -100,8 +95,7 @@ def fetch_count(scores: torch.Tensor, alpha: float) -> int:
     return int(counts.mean().item())
 
 
-@register_method
-class InfiniGen(KVMethod):
+class InfiniGen(RecallableMethod):
     """Skewed partial keys on the device tier; recall the rows whose estimated score is near the best.
 
     Citation: Lee et al., "InfiniGen: Efficient Generative Inference of Large Language Models with Dynamic
@@ -113,7 +107,6 @@ class InfiniGen(KVMethod):
     citation = ("Lee et al., InfiniGen: Efficient Generative Inference of Large Language Models with Dynamic KV "
                 "Cache Management, OSDI 2024")
     summary = "SVD-skewed 20% partial keys on device; recall rows scoring within alpha of the best estimate"
-    recallable = True
     needs_profile = True
 
     config: InfiniGenConfig
@@ -121,25 +114,14 @@ class InfiniGen(KVMethod):
     def min_budget(self) -> int:
         return 2  # the newest row and one recalled row
 
-    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        return layer_idx < self.config.dense_layers
-
-    def device_rows(self, memory: LayerMemory) -> int:
-        # Dense layers hold "keys"; the others only the recall buffer (partial keys are counted in bytes).
-        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
-
-    # -- prefill ------------------------------------------------------------------------------------------
-    def compress(self, memory: LayerMemory, ctx: PrefillContext) -> None:
-        if self.dense_layer(ctx.layer_idx, ctx.num_layers):
-            keep_dense(memory, ctx)
-            return
+    # -- prefill (the index: skewed partial keys, counted in bytes, not rows) --------------------------------
+    def build_index(self, memory: LayerMemory, ctx: PrefillContext) -> None:
         b, h, t, d = ctx.keys.shape
         path = resolve_profile(self.config.profile, ctx.model_name)
         skew, channels = load_layer(path, ctx.layer_idx, h, d)
         # Only the chosen columns of A are ever used: q·A[:, C] is the partial skewed query.
         partial = torch.gather(skew, 2, channels[:, None, :].expand(h, d, -1)).to(ctx.keys.device)
         memory.device_tier["skew"] = partial.contiguous()
-        store_host_rows(memory, ctx)
         partial_keys = torch.matmul(ctx.keys.float(), partial[None]).to(ctx.keys.dtype)
         memory.device_tier["partial_keys"] = RowBuffer(partial_keys.contiguous())
         budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget, ctx.zoom_layers)
@@ -147,11 +129,7 @@ class InfiniGen(KVMethod):
         reserve_recall_buffer(memory, min(budget, t))
 
     # -- decode -------------------------------------------------------------------------------------------
-    def append(self, memory: LayerMemory, key: torch.Tensor, value: torch.Tensor) -> None:
-        if is_dense(memory):
-            dense_append(memory, key, value)
-            return
-        append_host_rows(memory, key, value)
+    def index_append(self, memory: LayerMemory, key: torch.Tensor, value: torch.Tensor, before: int) -> None:
         skew = memory.device_tier["skew"]
         memory.device_tier["partial_keys"].append(torch.matmul(key.float(), skew[None]).to(key.dtype))
 
@@ -170,9 +148,7 @@ class InfiniGen(KVMethod):
         with torch.no_grad():
             return speculative_query(own, previous.hidden).to(query.dtype)
 
-    def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
-        if is_dense(memory):
-            return dense_select(memory)
+    def select_rows(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()
         values = memory.host_tier["values"].view()
         n, budget = host_length(memory), memory.meta["budget"]

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import padding_bias, recall_rows, reserve_recall_buffer
 
 
 @dataclass
@@ -21,7 +20,6 @@ class OracleTopKConfig(MethodConfig):
     group_score: str = "mass"
 
 
-@register_method
 class OracleTopK(KVMethod):
     name = "oracle_topk"
     config_class = OracleTopKConfig

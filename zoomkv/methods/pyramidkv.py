@@ -30,7 +30,6 @@ from fractions import Fraction
 from functools import lru_cache
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods.registry import register_method
 from zoomkv.methods.snapkv import SnapKV, SnapKVConfig
 
 
@@ -67,7 +66,6 @@ def pyramid_budgets(num_layers: int, budget: int, window: int, beta: float) -> t
     return tuple(window + s for s in shares)
 
 
-@register_method
 class PyramidKV(SnapKV):
     """SnapKV scoring and selection under pyramid-shaped layer budgets (more rows in lower layers).
 

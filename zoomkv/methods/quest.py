@@ -29,23 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
-from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
 from zoomkv.memory.tiers import RowBuffer
-from zoomkv.methods._recallable import (
-    append_host_rows,
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import (
+    RecallableMethod,
     check_dense_layers,
     check_group_score,
-    dense_append,
-    dense_select,
-    host_length,
     host_valid,
-    is_dense,
-    keep_dense,
-    kv_rows,
-    store_host_rows,
+    padding_bias,
+    recall_rows,
+    reserve_recall_buffer,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
 
 
 @dataclass
@@ -101,34 +95,20 @@ class PageBuffer(RowBuffer):
     GROW_ROWS = 4
 
 
-@register_method
-class Quest(KVMethod):
+class Quest(RecallableMethod):
     name = "quest"
     config_class = QuestConfig
     citation = "Tang et al., Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference, ICML 2024"
     summary = "16-row pages with per-channel key min/max; recall the pages with the highest q·k upper bound"
-    recallable = True
 
     config: QuestConfig
 
     def min_budget(self) -> int:
         return self.config.page_size  # at least the page with the newest tokens
 
-    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        return layer_idx < self.config.dense_layers
-
-    def device_rows(self, memory) -> int:
-        # Dense layers hold "keys"; compressed layers hold only the recall buffer (page bounds are
-        # metadata, counted in bytes but not rows).
-        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
-
-    # -- hooks ----------------------------------------------------------------------------------------
-    def compress(self, memory, ctx: PrefillContext) -> None:
-        if self.dense_layer(ctx.layer_idx, ctx.num_layers):
-            keep_dense(memory, ctx)
-            return
+    # -- the index: per-page key bounds -----------------------------------------------------------------
+    def build_index(self, memory, ctx: PrefillContext) -> None:
         ps = self.config.page_size
-        store_host_rows(memory, ctx)
         lo, hi, page_valid = page_bounds(ctx.keys, ctx.valid, ps)
         # Bounds are device-tier metadata in growable buffers: a new page starts every `ps` decode steps.
         memory.device_tier["page_min"] = PageBuffer(lo.contiguous())
@@ -139,12 +119,7 @@ class Quest(KVMethod):
         memory.meta["budget"] = budget
         reserve_recall_buffer(memory, min(budget, ctx.keys.shape[2]))
 
-    def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        if is_dense(memory):
-            dense_append(memory, key, value)
-            return
-        n = host_length(memory)  # rows before this one
-        append_host_rows(memory, key, value)
+    def index_append(self, memory, key: torch.Tensor, value: torch.Tensor, n: int) -> None:
         page_min, page_max = memory.device_tier["page_min"], memory.device_tier["page_max"]
         page_valid = memory.device_tier.get("page_valid")
         if n % self.config.page_size == 0:  # the last page is full: the new row opens a page of its own
@@ -164,9 +139,7 @@ class Quest(KVMethod):
         last_max.copy_(torch.where(live, torch.maximum(last_max, key), key))
         live.fill_(True)
 
-    def select(self, memory, query: torch.Tensor) -> Selection:
-        if is_dense(memory):
-            return dense_select(memory)
+    def select_rows(self, memory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()
         values = memory.host_tier["values"].view()
         kv_heads, n = keys.shape[1], keys.shape[2]

@@ -55,7 +55,6 @@ import torch
 import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
-from zoomkv.methods._evict import replace_row
 from zoomkv.methods._segments import (
     CLAUSE_MARKS,
     boundary_mask,
@@ -65,8 +64,8 @@ from zoomkv.methods._segments import (
     segment_ids,
     step_token_ids,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.eviction import replace_row
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -279,7 +278,6 @@ def merge_adjacent_pair(memory: LayerMemory, mergeable: int) -> torch.Tensor:
     return torch.where(has_empty, first_empty, j + 1)
 
 
-@register_method
 class SemantiCache(KVMethod):
     """Delimiter chunks, greedy seed-based clustering of keys per chunk, merged rows with ``log n`` bias.
 

@@ -47,9 +47,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ConfigError
-from zoomkv.memory.recall import padding_bias, recall_rows, reserve_recall_buffer
-from zoomkv.methods._evict import check_pooling, gather_rows
-from zoomkv.methods._recallable import kv_rows
 from zoomkv.methods._segments import (
     SENTENCE_MARKS,
     boundary_mask,
@@ -59,9 +56,10 @@ from zoomkv.methods._segments import (
     segment_ids,
     step_token_ids,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
 from zoomkv.methods.snapkv import SnapKV
+from zoomkv.protocol.eviction import check_pooling, gather_rows
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import kv_rows, padding_bias, recall_rows, reserve_recall_buffer
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -93,7 +91,6 @@ class SentenceKVConfig(MethodConfig):
         self.boundary_token_ids = normalize_ids(self.boundary_token_ids)
 
 
-@register_method
 class SentenceKV(KVMethod):
     """Sentence-level semantic vectors on the device tier; recall whole sentences by mean query · mean key.
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods._evict import (
+from zoomkv.protocol.eviction import (
     EvictionMethod,
     check_pooling,
     observation_scores,
@@ -32,8 +32,7 @@ from zoomkv.methods._evict import (
     top_rows_and_window,
     window_scores,
 )
-from zoomkv.methods.base import MethodConfig, PrefillContext
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.method import MethodConfig, PrefillContext
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -51,7 +50,6 @@ class SnapKVConfig(MethodConfig):
         check_pooling(self.kernel_size, self.pooling)
 
 
-@register_method
 class SnapKV(EvictionMethod):
     """Observation-window voting + max pooling; top ``B - window`` prefix rows per KV head + the window.
 

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods._evict import NEG_INF, EvictionMethod, store_rows
-from zoomkv.methods.base import MethodConfig, PrefillContext
-from zoomkv.methods.registry import register_method
+from zoomkv.protocol.eviction import NEG_INF, EvictionMethod, store_rows
+from zoomkv.protocol.method import MethodConfig, PrefillContext
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -36,7 +35,6 @@ class StreamingLLMConfig(MethodConfig):
             raise ZoomKVError(f"sinks must be non-negative, got {self.sinks}")
 
 
-@register_method
 class StreamingLLM(EvictionMethod):
     """Keep the first ``sinks`` real tokens and the most recent ``B - sinks`` rows; while decoding, the
     oldest non-sink row leaves as each new row arrives (a ring buffer behind the sinks).

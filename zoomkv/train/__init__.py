@@ -1,2 +1,3 @@
-"""Distilling sekv's adapter against the full-attention teacher: recipes, synthetic data, teacher signals
-cached once, and one readable Accelerate loop (``python -m zoomkv.train --recipe ...``)."""
+"""Distilling a trainable method's modules against the full-attention teacher: recipes, teacher signals
+cached once, and one readable, method-agnostic Accelerate loop (``python -m zoomkv.train --recipe ...``);
+what is method-specific comes from the method's registered ``MethodTraining``."""

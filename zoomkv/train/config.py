@@ -15,34 +15,23 @@ from typing import Any
 import yaml
 
 from zoomkv.errors import ConfigError
+from zoomkv.protocol.registry import TRAINING, get_training
+from zoomkv.protocol.training import MethodTraining
 
 
 @dataclass
 class TrainConfig:
-    # what to train
+    # what to train: a trainable method (zoomkv methods); its own recipe keys are listed by its recipe class
+    # (MethodTraining.recipe_class) and land in `options`
     model: str = "smollm2-135m"  # a zoomkv model name, a local folder, or a name in KNOWN_CONFIGS (dry-run only)
-    method: str = "sekv"
-    run_name: str = "sekv"
+    method: str = ""
+    run_name: str = ""  # "" = the method's name
     output_dir: str = "checkpoints"
     seed: int = 0
     max_trainable_fraction: float = 0.0005
-    proj_dim: int | str = "auto"  # semantic projector width; "auto" sizes it under max_trainable_fraction
-    share_projector: bool | str = "auto"
-    r_max: int = 32
     init_adapter: str = ""  # start from this adapter folder instead of a fresh one
-    # sekv's inference hyper-parameters, used to cut spans exactly as inference does
     budget: int = 128  # rows per KV head the student is trained for
-    sinks: int = 4
-    recent: int = 8
-    chunk: int = 8
-    min_span: int = 4
-    max_span: int = 8
-    anchor_fraction: float = 0.1
-    # semantic_id's projector (method: semantic_id): its size, and the ID it is trained to hash into
-    sem_dim: int = 16
-    sem_hidden: int = 32
-    id_bits: int = 6
-    pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
+    recent: int = 8  # the newest rows, kept exact: teacher query positions lie before them
     # data (synthetic, generated offline with the model's tokenizer)
     tasks: str = "passkey,kv,vartrack"
     num_samples: int = 16
@@ -54,19 +43,9 @@ class TrainConfig:
     steps: int = 100
     layers_per_step: int = 8  # layers sampled per step (all when 0)
     samples_per_step: int = 1  # samples per process and step (gradient accumulation); global batch x processes
-    lr: float = 0.01  # thresholds and rank gates
-    proj_lr: float = 0.001  # the semantic projector: it rescales logits, so it moves much more gently
+    lr: float = 0.01
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    rho: float = 0.9  # zoom supervision: the smallest span set covering rho of the teacher's span mass
-    w_kl: float = 1.0
-    w_out: float = 1.0
-    w_zoom: float = 0.5
-    w_route: float = 0.5  # listwise: the router's ranking of spans vs the teacher's span mass
-    w_anchor: float = 0.1
-    w_rank: float = 0.01
-    w_budget: float = 0.1
-    budget_ramp_steps: int = 50
     # bookkeeping
     log_every: int = 10
     save_every: int = 50
@@ -76,6 +55,7 @@ class TrainConfig:
     eval_samples: int = 4  # held-out samples scored (next-token KL vs full) with the fresh and trained adapter
     eval_baselines: str = ""  # training-free methods scored alongside at the same budget, e.g. "quest,clusterkv"
     kill_at_step: int = 0  # testing only: SIGKILL this process right after that step (resume tests)
+    options: Any = None  # the method's own keys (its MethodTraining.recipe_class), set by load_recipe
 
     @property
     def run_dir(self) -> Path:
@@ -89,23 +69,24 @@ class TrainConfig:
     def task_list(self) -> list[str]:
         return [t.strip() for t in self.tasks.split(",") if t.strip()]
 
+    @property
+    def training(self) -> MethodTraining:
+        """The method's training (modules and objective), from the method registry."""
+        return get_training(self.method)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def adapter_hyper(self) -> dict[str, Any]:
-        return {"proj_dim": self.proj_dim, "share_projector": self.share_projector, "r_max": self.r_max,
-                "max_trainable_fraction": self.max_trainable_fraction}
-
-    def method_kwargs(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("sinks", "recent", "chunk", "min_span", "max_span", "anchor_fraction")}
+        """Flat, as a recipe is written: the generic keys, then the method's own."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        if self.options is not None:
+            out.update(dataclasses.asdict(self.options))
+        return out
 
 
 TASKS = ("passkey", "kv", "vartrack")
-CHOICES: dict[str, tuple[Any, ...]] = {"method": ("sekv", "semantic_id"), "proj_dim": ("auto",), "share_projector": ("auto",)}
 FILE_KEYS = ("init_adapter",)
 
 
-def _check_type(key: str, value: Any, hint: Any) -> Any:
+def _check_type(key: str, value: Any, hint: Any, choices: dict[str, tuple[Any, ...]]) -> Any:
     allowed = typing.get_args(hint) or (hint,)
     for t in allowed:
         if t is float and isinstance(value, int) and not isinstance(value, bool):
@@ -113,10 +94,10 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if t is int and isinstance(value, bool):
             continue
         if isinstance(value, t):
-            if isinstance(value, str) and key in CHOICES and value not in CHOICES[key]:
+            if isinstance(value, str) and key in choices and value not in choices[key]:
                 others = [a.__name__ for a in allowed if a is not str]
                 raise ConfigError(f"recipe key {key!r}: {value!r} is not valid; expected "
-                                  f"{' or '.join([*others, f'one of {list(CHOICES[key])}'])}")
+                                  f"{' or '.join([*others, f'one of {list(choices[key])}'])}")
             return value
     names = " or ".join(a.__name__ for a in allowed)
     raise ConfigError(f"recipe key {key!r}: expected {names}, got {type(value).__name__} {value!r}")
@@ -143,13 +124,26 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
             raise ConfigError(f"{path}: a recipe is a flat YAML mapping of key: scalar")
         raw.update(loaded)
     raw.update(parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {}))
-    hints = typing.get_type_hints(TrainConfig)
-    valid = [f.name for f in fields(TrainConfig)]
+    method = raw.get("method", "")
+    if not isinstance(method, str) or method not in TRAINING:
+        raise ConfigError(f"recipe key 'method': {method!r} is not a trainable method; expected one of "
+                          f"{sorted(TRAINING)}")
+    option_class = TRAINING[method].recipe_class
+    hints = {k: v for k, v in typing.get_type_hints(TrainConfig).items() if k != "options"}
+    option_hints = typing.get_type_hints(option_class)
+    option_hints = {f.name: option_hints[f.name] for f in fields(option_class)}
+    valid = [*hints, *option_hints]
     values: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     for key, value in raw.items():
-        if key not in hints:
-            raise ConfigError(f"unknown recipe key {key!r}; valid keys: {', '.join(valid)}")
-        values[key] = _check_type(key, value, hints[key])
+        if key in hints:
+            values[key] = _check_type(key, value, hints[key], {})
+        elif key in option_hints:
+            options[key] = _check_type(key, value, option_hints[key], option_class.choices)
+        else:
+            raise ConfigError(f"unknown recipe key {key!r}; valid keys: {', '.join(valid)} (for method {method!r})")
+    values["options"] = option_class(**options)
+    values.setdefault("run_name", method)
     cfg = TrainConfig(**values)
     for key in FILE_KEYS:
         value = getattr(cfg, key)

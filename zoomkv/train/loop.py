@@ -29,19 +29,16 @@ from typing import Any
 import torch
 import yaml
 
-from zoomkv.adapters.base import ModelShape, base_fingerprint
 from zoomkv.adapters.checkpoint import STATE_NAME, checkpoint_files
-from zoomkv.adapters.export import write_folder_atomically
+from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.model import ZoomAdapter
-from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter
 from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
 from zoomkv.errors import ConfigError
-from zoomkv.methods.sekv import SeKVConfig
-from zoomkv.train import semantic
+from zoomkv.protocol.registry import get_method
+from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train.config import TrainConfig, save_resolved
 from zoomkv.train.data import curriculum_index, make_samples
-from zoomkv.train.student import position_losses, ramp, rank_regulariser
-from zoomkv.train.teacher import build_cache, load_sample
+from zoomkv.train.teacher import CachedSamples, build_cache, load_sample
 
 # Shapes of models too big to load for a dry run: the trainable fraction needs only their config.
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -64,16 +61,14 @@ def shape_without_weights(name: str) -> ModelShape:
 
 
 def build_adapter(cfg: TrainConfig, shape: ModelShape) -> torch.nn.Module:
-    """The modules to train: sekv's adapter, or semantic_id's projector (its PCA start needs the cache)."""
-    if cfg.method == "semantic_id":
-        if cfg.init_adapter:
-            from zoomkv.adapters.checkpoint import load_checkpoint
-
-            return load_checkpoint(cfg.init_adapter).modules
-        return semantic.build_projector(cfg, shape.head_dim)
+    """The modules to train: the recipe's ``init_adapter``, or the method's fresh ones."""
     if cfg.init_adapter:
-        return load_adapter(cfg.init_adapter)
-    return build_sekv_modules(shape, {**cfg.adapter_hyper(), "init_seed": cfg.seed})
+        loaded = ZoomAdapter.from_pretrained(cfg.init_adapter, local_files_only=True)
+        if loaded.config.method != cfg.method:
+            raise ConfigError(f"recipe key 'init_adapter': {cfg.init_adapter} holds a {loaded.config.method!r} "
+                              f"adapter, not {cfg.method!r}")
+        return loaded.modules
+    return cfg.training.init_modules(cfg, shape)
 
 
 def check_fraction(adapter: torch.nn.Module, shape: ModelShape, cfg: TrainConfig, log=print) -> float:
@@ -117,12 +112,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def adapter_hyper(adapter: torch.nn.Module, cfg: TrainConfig) -> dict[str, Any]:
     """What rebuilds these modules (their exact sizes) and runs the method (its settings)."""
-    if cfg.method == "semantic_id":
-        return semantic.hyper(adapter, cfg)
-    return {**cfg.method_kwargs(), **adapter.hyper(), "init_seed": cfg.seed}
+    return cfg.training.hyper(adapter, cfg)
 
 
-def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: SeKVAdapter, optimizer: Any,
+def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: torch.nn.Module, optimizer: Any,
                     shape: ModelShape, fingerprint: dict[str, Any]) -> None:
     """One folder, written whole then renamed (a kill mid-save leaves the previous one as ``latest``):
     the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe."""
@@ -144,7 +137,7 @@ def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: SeKVAda
     write_folder_atomically(run_dir / "checkpoints" / f"step_{step:06d}", files, overwrite=True)
 
 
-def load_checkpoint_state(folder: Path, adapter: SeKVAdapter, optimizer: Any) -> int:
+def load_checkpoint_state(folder: Path, adapter: torch.nn.Module, optimizer: Any) -> int:
     """Restore the adapter weights and optimizer moments saved by ``save_checkpoint``; returns the step."""
     try:
         trainer = json.loads((folder / TRAINER_NAME).read_text(encoding="utf-8"))
@@ -186,33 +179,6 @@ def check_processes_agree(accelerator: Any, adapter: torch.nn.Module) -> None:
     accelerator.print(f"all {accelerator.num_processes} processes hold the same adapter")
 
 
-def step_loss(adapter: SeKVAdapter, sample: dict[str, torch.Tensor], layers: list[int], cfg: TrainConfig,
-              mcfg: SeKVConfig, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-    all_layers = sample["layers"].tolist()
-    scaling = float(sample["scaling"])
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "route", "anchor", "budget")}
-    for layer in layers:
-        pos_in_adapter = all_layers.index(layer)
-        keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
-        for p, t in enumerate(sample["positions"].tolist()):
-            losses = position_losses(adapter, pos_in_adapter, keys, values, sample[f"q.{layer}"][:, p],
-                                     sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
-                                     cfg.budget, mcfg, cfg.rho)
-            if losses is not None:
-                for k in parts:
-                    parts[k].append(getattr(losses, k))
-    if not parts["kl"]:
-        zero = sum(p.sum() * 0 for p in adapter.parameters())
-        return zero, {}
-    mean = {k: torch.stack(v).mean() for k, v in parts.items()}
-    rank = rank_regulariser(adapter)
-    loss = (cfg.w_kl * mean["kl"] + cfg.w_out * mean["out"] + cfg.w_zoom * mean["zoom"] + cfg.w_route * mean["route"]
-            + cfg.w_anchor * mean["anchor"] + cfg.w_rank * rank
-            + cfg.w_budget * ramp(step, cfg.budget_ramp_steps) * mean["budget"])
-    logs = {k: v.item() for k, v in mean.items()} | {"rank": rank.item(), "loss": loss.item()}
-    return loss, logs
-
-
 def train(cfg: TrainConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -247,7 +213,7 @@ def train(cfg: TrainConfig) -> Path:
     adapter = build_adapter(cfg, shape)
     check_fraction(adapter, shape, cfg, log=say)
     say(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value.lower()}, {accelerator.device}")
-    mcfg = semantic.method_config(cfg) if cfg.method == "semantic_id" else SeKVConfig(**cfg.method_kwargs())
+    training = cfg.training  # everything method-specific: modules, objective, optimiser groups
 
     # -- teacher signals, once (main process), then everyone reads the cache
     tasks = cfg.task_list
@@ -260,17 +226,12 @@ def train(cfg: TrainConfig) -> Path:
                     recent=cfg.recent, fingerprint=fingerprint)
     accelerator.wait_for_everyone()
     paths = sorted(cfg.cache_dir.glob("sample_*.safetensors"))[: cfg.num_samples]
+    cached = CachedSamples(paths)
 
-    if cfg.method == "semantic_id":
-        if not cfg.init_adapter:  # every process computes the same PCA start from the same cache
-            semantic.init_from_cache(adapter, paths, seed=cfg.seed)
-        fresh_metrics = semantic.pair_metrics(adapter, paths[-2:], cfg)
-        groups = [{"params": list(adapter.parameters()), "lr": cfg.lr}]
-    else:
-        projector = [p for n, p in adapter.named_parameters() if n.startswith("proj_")]
-        others = [p for n, p in adapter.named_parameters() if not n.startswith("proj_")]
-        groups = [{"params": others, "lr": cfg.lr}, {"params": projector, "lr": cfg.proj_lr}]
-    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    if not cfg.init_adapter:  # every process computes the same start from the same cache
+        training.prepare(adapter, cfg, cached)
+    report_before = training.report(adapter, cfg, cached[-2:])
+    optimizer = torch.optim.AdamW(training.param_groups(adapter, cfg), weight_decay=cfg.weight_decay)
     adapter, optimizer = accelerator.prepare(adapter, optimizer)
     raw = accelerator.unwrap_model(adapter)
     fingerprint = base_fingerprint(model, name=cfg.model)
@@ -304,10 +265,7 @@ def train(cfg: TrainConfig) -> Path:
             sample = load_sample(paths[index])
             layers_all = sample["layers"].tolist()
             layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
-            if cfg.method == "semantic_id":
-                loss, logs = semantic.step_loss(raw, sample, layers, mcfg, cfg.pair_rows, rng.randrange(2**31))
-            else:
-                loss, logs = step_loss(raw, sample, layers, cfg, mcfg, step)
+            loss, logs = training.step_loss(raw, sample, layers, cfg, step, rng)
             accelerator.backward(loss / per_proc)
         average_gradients(accelerator, adapter, raw)
         if cfg.grad_clip > 0:
@@ -337,10 +295,10 @@ def train(cfg: TrainConfig) -> Path:
         exported.save_pretrained(out, overwrite=True)
         save_resolved(cfg, out)
         say(f"adapter saved to {out}")
-        if cfg.method == "semantic_id":  # pair collisions on the last cached samples, before and after
-            pairs = {"fresh": fresh_metrics, "trained": semantic.pair_metrics(raw, paths[-2:], cfg)}
-            (run_dir / "pairs.json").write_text(json.dumps(pairs, indent=2))
-            say("pairs " + json.dumps(pairs))
+        if report_before is not None:  # the method's own numbers on the last cached samples, before and after
+            report = {"fresh": report_before, "trained": training.report(raw, cfg, cached[-2:])}
+            (run_dir / f"{training.report_name}.json").write_text(json.dumps(report, indent=2))
+            say(f"{training.report_name} " + json.dumps(report))
         if cfg.eval_samples:
             write_eval(cfg, evaluate(model, tokenizer, cfg, raw), say)
     accelerator.wait_for_everyone()  # the others wait while the main process writes and evaluates
@@ -390,22 +348,13 @@ def answer_scores(model, tokenizer, texts: list[tuple[str, str]], methods: dict[
 def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> dict[str, Any]:
     """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one, and the
     recipe's ``eval_baselines`` (training-free methods) at the same budget."""
-    from zoomkv.methods import get_method
-    from zoomkv.methods.sekv import SeKV
-
     held = make_samples(tokenizer, cfg.task_list, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973)
     texts = []
     for s in held:
         cut = s.text.rindex(s.answer)
         texts.append((s.text[:cut].rstrip(" "), " " + s.answer))
-    methods: dict[str, Any] = {}
-    for name, ad in (("fresh", None), ("trained", adapter)):
-        if cfg.method == "semantic_id":
-            method = get_method("semantic_id", **semantic.hyper(adapter, cfg))
-            method.attach_adapter(ad)  # None: the per-sequence PCA start the method uses untrained
-        else:
-            method = SeKV(adapter=ad, **cfg.method_kwargs())
-        methods[name] = method
+    methods: dict[str, Any] = {name: cfg.training.make_method(modules, cfg)
+                               for name, modules in (("fresh", None), ("trained", adapter))}
     for name in (b.strip() for b in cfg.eval_baselines.split(",") if b.strip()):
         methods[name] = get_method(name)
     return {"budget": cfg.budget, "samples": len(texts), "length": cfg.max_length,
@@ -414,7 +363,6 @@ def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> di
 
 def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
     """``--eval-only``: score the run's saved adapter (``<run>/adapter``) as the end of training does."""
-    from zoomkv.adapters.checkpoint import load_checkpoint
     from zoomkv.models import load_model
 
     folder = cfg.run_dir / "adapter"
@@ -423,7 +371,7 @@ def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, tokenizer = load_model(cfg.model)
-    loaded = load_checkpoint(folder)
+    loaded = ZoomAdapter.from_pretrained(folder, local_files_only=True)
     loaded.check_base(model)
     scores = evaluate(model, tokenizer, cfg, loaded.modules)
     write_eval(cfg, scores, print)

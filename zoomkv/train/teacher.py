@@ -10,6 +10,7 @@ back (mass on tokens older than the recent window, averaged over layers and head
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from zoomkv.memory.replay import _record_surprisal, record_prefill
+from zoomkv.memory.replay import record_prefill, record_surprisal
 from zoomkv.train.data import Sample
 
 CACHE_VERSION = 1
@@ -30,7 +31,7 @@ def encode(tokenizer, text: str) -> torch.Tensor:
 @torch.inference_mode()
 def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recent: int) -> dict[str, torch.Tensor]:
     record = record_prefill(model, ids)
-    surprisal = _record_surprisal(model, record)[0].float()
+    surprisal = record_surprisal(model, record)[0].float()
     t = ids.shape[1]
     layers = sorted(record.contexts)
     cands = torch.arange(min(max(min_pos, t // 2), t - 1), t)
@@ -81,3 +82,18 @@ def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_quer
 
 def load_sample(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
+
+
+class CachedSamples(Sequence):
+    """The cached teacher samples, read from disk when indexed (a slice is another ``CachedSamples``)."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return CachedSamples(self.paths[index])
+        return load_sample(self.paths[index])

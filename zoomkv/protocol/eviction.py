@@ -16,16 +16,12 @@ shorter than the others keeps some of its padding rows, masked, rather than gett
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods.base import KVMethod, PrefillContext, Selection
-
-if TYPE_CHECKING:
-    from zoomkv.memory.layer import LayerMemory
+from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, Selection
+from zoomkv.protocol.recallable import padding_bias
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -163,7 +159,7 @@ def replace_row(x: torch.Tensor, victim: torch.Tensor, new: torch.Tensor) -> tor
 
 
 def store_rows(
-    memory: LayerMemory,
+    memory: Memory,
     ctx: PrefillContext,
     idx: torch.Tensor | None,
     scores: torch.Tensor | None,
@@ -184,12 +180,12 @@ def store_rows(
     memory.meta["padded"] = ctx.valid is not None
 
 
-def padding_bias(memory: LayerMemory) -> torch.Tensor | None:
+def kept_padding_bias(memory: Memory) -> torch.Tensor | None:
     """``-inf`` logit bias for the kept rows that are left padding (rows whose score is ``-inf``)."""
     scores = memory.device_tier.get("scores")
     if scores is None or not memory.meta.get("padded", False):
         return None
-    return torch.zeros_like(scores).masked_fill_(scores == NEG_INF, NEG_INF)
+    return padding_bias(scores != NEG_INF, None, scores.shape[1], scores.dtype, scores.device)
 
 
 class EvictionMethod(KVMethod):
@@ -207,13 +203,13 @@ class EvictionMethod(KVMethod):
             raise ZoomKVError(f"method {self.name!r} needs a budget")
         return self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget, ctx.zoom_layers)
 
-    def _victim(self, memory: LayerMemory) -> torch.Tensor:
+    def _victim(self, memory: Memory) -> torch.Tensor:
         """``[b, h]`` index of the row to evict when the layer is full. Default: the lowest score; among
         equal scores the first, i.e. the oldest (``argmin`` returns the first minimum), so once only
         protected (+inf) rows remain the window slides."""
         return memory.device_tier["scores"].argmin(dim=-1)
 
-    def append(self, memory: LayerMemory, key: torch.Tensor, value: torch.Tensor) -> None:
+    def append(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
         tier = memory.device_tier
         scores = tier.get("scores")
         new_score = None
@@ -232,5 +228,5 @@ class EvictionMethod(KVMethod):
         if scores is not None:
             tier["scores"] = replace_row(scores, victim, new_score)
 
-    def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
-        return Selection(memory.device_tier["keys"], memory.device_tier["values"], padding_bias(memory))
+    def select(self, memory: Memory, query: torch.Tensor) -> Selection:
+        return Selection(memory.device_tier["keys"], memory.device_tier["values"], kept_padding_bias(memory))

@@ -24,15 +24,15 @@ The summary rows are the span index — one key and one value row per span of at
 (at the default 8: an eighth of the KV bytes, twice Quest's two bounds per 16-token page) — and like
 Quest's bounds or ClusterKV's centroids they are counted in the device tier's bytes, not in B.
 
-The adapter: ``get_method("sekv", adapter=<SeKVAdapter>)``, or ``adapter_path="<folder>"`` (a folder
-written by ``zoomkv.adapters.sekv.save_adapter``, e.g. a training checkpoint's ``adapter/``). Without
-one, a fresh adapter is built deterministically from the layer shapes: it routes by ``q·summary-key``,
-zooms into anything over ~0.1% estimated mass and reconstructs at full rank.
+The adapter: ``get_method("sekv", adapter=<SeKVAdapter>)``; a saved one (a folder, a Hub id or a training
+checkpoint) through the artefact layer: ``ZoomAdapter.from_pretrained(path).make_method()``, which also
+brings the settings it was trained with. Without one, a fresh adapter is built deterministically from the
+layer shapes: it routes by ``q·summary-key``, zooms into anything over ~0.1% estimated mass and
+reconstructs at full rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +40,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zoomkv.adapters.sekv import DEFAULT_R_MAX, SeKVAdapter, load_sekv
 from zoomkv.errors import ConfigError
-from zoomkv.memory.recall import reserve_recall_buffer
-from zoomkv.methods._sekv_layout import build_spans, reconstruct, segment_row
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
+from zoomkv.methods.sekv.layout import build_spans, reconstruct, segment_row
+from zoomkv.methods.sekv.modules import DEFAULT_R_MAX, SeKVAdapter
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import reserve_recall_buffer
 
 
 @dataclass
@@ -56,7 +55,6 @@ class SeKVConfig(MethodConfig):
     min_span: int = 4  # shorter runs between anchors stay exact
     max_span: int = 8  # longest span: the zoom granularity (its SVD at rank max_span is exact)
     anchor_fraction: float = 0.1  # share of B for anchors + loose rows; after sinks and tail the rest is zoom
-    adapter_path: str | None = None  # folder with adapter_config.json + adapter_model.safetensors
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent", "chunk"):
@@ -82,7 +80,6 @@ def stored_rank(adapter: SeKVAdapter, cfg: SeKVConfig) -> int:
     return min(adapter.r_max, cfg.max_span)
 
 
-@register_method
 class SeKV(KVMethod):
     name = "sekv"
     config_class = SeKVConfig
@@ -93,18 +90,12 @@ class SeKV(KVMethod):
 
     config: SeKVConfig
 
-    def __init__(self, config: SeKVConfig | None = None, *, adapter: SeKVAdapter | str | None = None,
+    def __init__(self, config: SeKVConfig | None = None, *, adapter: SeKVAdapter | None = None,
                  **overrides: Any):
         super().__init__(config, **overrides)
-        path = adapter if isinstance(adapter, str) else (self.config.adapter_path if adapter is None else None)
-        if path:
-            loaded = load_sekv(path)
-            adapter = loaded.modules
-            # The settings the adapter was trained with (span length, anchor share, ...) unless given here.
-            fields = {f.name for f in dataclasses.fields(SeKVConfig)} - {"adapter_path"}
-            trained = {k: v for k, v in loaded.config.hyper.items() if k in fields and k not in overrides}
-            if config is None and trained:
-                self.config = dataclasses.replace(self.config, **trained)
+        if adapter is not None and not isinstance(adapter, SeKVAdapter):
+            raise ConfigError(f"sekv takes a SeKVAdapter, not {type(adapter).__name__} (load a saved adapter with "
+                              "ZoomAdapter.from_pretrained(path).make_method())")
         self.adapter: SeKVAdapter | None = adapter
         self._fresh: dict[tuple[int, int, int], SeKVAdapter] = {}  # default adapters by (layers, heads, dim)
 

@@ -17,14 +17,12 @@ Layers are indexed by their position among the model's full-attention layers (``
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from zoomkv.adapters.base import ModelShape, register_adapter_modules
-from zoomkv.errors import ConfigError
+from zoomkv.protocol.shape import ModelShape
 
 DEFAULT_R_MAX = 32
 DEFAULT_MAX_FRACTION = 0.0005
@@ -92,30 +90,8 @@ def choose_size(shape: ModelShape, hyper: dict[str, Any]) -> tuple[int, bool]:
     return dims[-1], modes[-1]  # nothing fits: the smallest; the trainer reports and refuses it
 
 
-@register_adapter_modules("sekv")
 def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
     proj_dim, shared = choose_size(shape, hyper)
     return SeKVAdapter(len(shape.full_attention_layers), shape.num_kv_heads, shape.head_dim, proj_dim=proj_dim,
                        share_projector=shared, r_max=int(hyper.get("r_max", DEFAULT_R_MAX)),
                        seed=int(hyper.get("init_seed", 0)))
-
-
-def load_sekv(folder: str | Path) -> Any:
-    """The sekv ``ZoomAdapter`` of an adapter folder (``ZoomAdapter.save_pretrained`` / ``zoomkv export``, or
-    the trainer's ``adapter/``) or of a training checkpoint (``checkpoints/step_N``): its modules and the
-    hyper-parameters it was trained with; safetensors + JSON only."""
-    from zoomkv.adapters.checkpoint import load_checkpoint
-    from zoomkv.adapters.errors import AdapterError
-
-    try:
-        adapter = load_checkpoint(folder)
-    except AdapterError as err:
-        raise ConfigError(f"no sekv adapter in {folder}: {err}") from err
-    if adapter.config.method != "sekv":
-        raise ConfigError(f"{folder} holds an adapter for method {adapter.config.method!r}, not 'sekv'")
-    return adapter
-
-
-def load_adapter(folder: str | Path) -> SeKVAdapter:
-    """The ``SeKVAdapter`` modules of a folder ``load_sekv`` reads."""
-    return load_sekv(folder).modules

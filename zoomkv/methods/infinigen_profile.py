@@ -70,7 +70,7 @@ def save_profile(path: Path, layers: dict[int, tuple[torch.Tensor, torch.Tensor]
 def resolve_profile(profile: str | None, model_name: str | None) -> Path:
     """The profile file: ``profile`` as a file, a folder holding one, or a model name; else the profile of
     the model being run. Raises a ZoomKVError naming the calibration command when there is none."""
-    from zoomkv.calibrate import profile_dir
+    from zoomkv.protocol.profiles import profile_dir
 
     name = model_name or "MODEL"
     command = f"zoomkv calibrate infinigen --model {name}"

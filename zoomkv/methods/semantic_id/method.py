@@ -66,11 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zoomkv.adapters.base import ModelShape, register_adapter_modules
-from zoomkv.adapters.semantic_projector import SemanticProjector, pca_basis, semantic_input
 from zoomkv.errors import BudgetError, ConfigError
-from zoomkv.methods._recallable import append_host_rows, host_length, kv_rows, store_host_rows
-from zoomkv.methods._semantic import (
+from zoomkv.methods.semantic_id.merging import (
     COMPRESSED,
     EMPTY,
     RAW,
@@ -87,8 +84,9 @@ from zoomkv.methods._semantic import (
     simhash_ids,
     token_hints,
 )
-from zoomkv.methods.base import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.methods.registry import register_method
+from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.recallable import append_host_rows, host_length, kv_rows, store_host_rows
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -110,7 +108,7 @@ class SemanticIDConfig(MethodConfig):
     num_sinks: int = 4  # first real tokens never merged
     recent: int = 8  # newest rows never merged
     rare_threshold: float = 0.5  # a row less similar than this to every other row is rare (protected)
-    # Trained projector: a zoomkv adapter folder, or a SemanticProjector safetensors file; None: PCA init.
+    # Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init.
     projector: str | None = None
     seed: int = 0  # of the SimHash hyperplanes
 
@@ -159,7 +157,6 @@ class _Items:
     hint: torch.Tensor | None
 
 
-@register_method
 class SemanticID(KVMethod):
     name = "semantic_id"
     config_class = SemanticIDConfig
@@ -501,21 +498,11 @@ class SemanticID(KVMethod):
 
 
 def _load_projector(path: str) -> SemanticProjector:
-    """A trained projector from an adapter folder (``ZoomAdapter``) or a bare safetensors file."""
+    """A trained projector saved as a bare safetensors file (``SemanticProjector.save``). An adapter folder
+    goes through the artefact layer: ``ZoomAdapter.from_pretrained(folder).make_method()``."""
     from pathlib import Path
 
     if Path(path).expanduser().is_dir():
-        from zoomkv.adapters.model import ZoomAdapter
-
-        adapter = ZoomAdapter.from_pretrained(path)
-        if adapter.config.method != "semantic_id":
-            raise ConfigError(f"{path} is a {adapter.config.method!r} adapter, not a semantic_id one")
-        return adapter.modules
+        raise ConfigError(f"{path} is a folder: load a semantic_id adapter with "
+                          "ZoomAdapter.from_pretrained(folder).make_method()")
     return SemanticProjector.load(path)
-
-
-@register_adapter_modules("semantic_id")
-def build_semantic_projector(shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
-    """The trainable part of ``semantic_id``: one projector shared by every layer and KV head."""
-    cfg = SemanticIDConfig(**{k: v for k, v in hyper.items() if k in ("sem_dim", "hidden")})
-    return SemanticProjector(shape.head_dim, cfg.sem_dim, cfg.hidden)

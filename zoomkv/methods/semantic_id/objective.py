@@ -17,37 +17,45 @@ deterministic), as the method uses without training.
 from __future__ import annotations
 
 import math
-from pathlib import Path
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from zoomkv.adapters.semantic_projector import SemanticProjector, pca_basis, semantic_input
-from zoomkv.methods.semantic_id import SemanticIDConfig
-from zoomkv.train.teacher import load_sample
+from zoomkv.methods.semantic_id.method import SemanticID, SemanticIDConfig
+from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.protocol.shape import ModelShape
+from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
 
 METHOD_KEYS = ("sem_dim", "hidden", "id_bits", "key_threshold", "value_threshold", "recall_threshold")
 
 
-def method_config(cfg: Any) -> SemanticIDConfig:
+@dataclass
+class SemanticIDRecipe(RecipeOptions):
+    """semantic_id's own recipe keys: the projector's size, the ID it is trained to hash into, the pairs."""
+
+    sem_dim: int = 16
+    sem_hidden: int = 32
+    id_bits: int = 6
+    pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
+
+
+def method_config(recipe: Any) -> SemanticIDConfig:
     """The method's settings the projector is trained for (recipe keys prefixed ``sem_`` where ambiguous)."""
-    return SemanticIDConfig(sem_dim=cfg.sem_dim, hidden=cfg.sem_hidden, id_bits=cfg.id_bits)
-
-
-def build_projector(cfg: Any, head_dim: int) -> SemanticProjector:
-    """A projector of the recipe's size (block-pooling init: the PCA start needs the teacher cache)."""
-    return SemanticProjector(head_dim, cfg.sem_dim, cfg.sem_hidden)
+    o = recipe.options
+    return SemanticIDConfig(sem_dim=o.sem_dim, hidden=o.sem_hidden, id_bits=o.id_bits)
 
 
 @torch.no_grad()
-def init_from_cache(projector: SemanticProjector, paths: list[Path], *, rows_per_layer: int = 512,
+def init_from_cache(projector: SemanticProjector, samples: Sequence[Sample], *, rows_per_layer: int = 512,
                     seed: int = 0) -> SemanticProjector:
     """PCA of K‖V rows from the cached samples (every layer and KV head, a seeded subsample of each)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for path in paths[:8]:
-        sample = load_sample(path)
+    for sample in samples[:8]:
         for layer in sample["layers"].tolist():
             x = semantic_input(sample[f"k.{layer}"], sample[f"v.{layer}"]).reshape(-1, projector.in_dim)
             take = torch.randperm(x.shape[0], generator=g)[:rows_per_layer]
@@ -120,12 +128,52 @@ def hyper(projector: SemanticProjector, cfg: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def pair_metrics(projector: SemanticProjector, paths: list[Path], cfg: Any) -> dict[str, float]:
+def pair_metrics(projector: SemanticProjector, samples: Sequence[Sample], recipe: Any) -> dict[str, float]:
     """Expected collisions of equivalent vs other pairs on the cached samples (all layers, seed fixed)."""
-    mcfg = method_config(cfg)
+    mcfg = method_config(recipe)
     logs = []
-    for path in paths:
-        sample = load_sample(path)
-        logs.append(step_loss(projector, sample, sample["layers"].tolist(), mcfg, cfg.pair_rows, 12345)[1])
+    for sample in samples:
+        logs.append(step_loss(projector, sample, sample["layers"].tolist(), mcfg, recipe.options.pair_rows,
+                              12345)[1])
     logs = [entry for entry in logs if entry]
     return {k: sum(entry[k] for entry in logs) / len(logs) for k in ("loss", "collide_eq", "collide_other")}
+
+
+class SemanticIDTraining(MethodTraining):
+    recipe_class = SemanticIDRecipe
+    report_name = "pairs"  # collision rates of equivalent vs other pairs, before and after
+
+    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector:
+        """One projector shared by every layer and KV head."""
+        cfg = SemanticIDConfig(**{k: v for k, v in hyper.items() if k in ("sem_dim", "hidden")})
+        return SemanticProjector(shape.head_dim, cfg.sem_dim, cfg.hidden)
+
+    def init_modules(self, recipe: Any, shape: ModelShape) -> SemanticProjector:
+        """A projector of the recipe's size (block-pooling init: the PCA start needs the teacher cache)."""
+        return SemanticProjector(shape.head_dim, recipe.options.sem_dim, recipe.options.sem_hidden)
+
+    def prepare(self, modules: SemanticProjector, recipe: Any, samples: Sequence[Sample]) -> None:
+        init_from_cache(modules, samples, seed=recipe.seed)
+
+    def method_config(self, recipe: Any) -> SemanticIDConfig:
+        return method_config(recipe)
+
+    def hyper(self, modules: SemanticProjector, recipe: Any) -> dict[str, Any]:
+        return hyper(modules, recipe)
+
+    def step_loss(self, modules: SemanticProjector, sample: Sample, layers: list[int], recipe: Any, step: int,
+                  rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
+        return step_loss(modules, sample, layers, method_config(recipe), recipe.options.pair_rows,
+                         rng.randrange(2**31))
+
+    def report(self, modules: SemanticProjector, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
+        return pair_metrics(modules, samples, recipe)
+
+    def make_method(self, modules: SemanticProjector | None, recipe: Any) -> SemanticID:
+        mcfg = method_config(recipe)
+        settings = {k: getattr(mcfg, k) for k in METHOD_KEYS}
+        if modules is not None:
+            settings |= {"sem_dim": modules.sem_dim, "hidden": modules.hidden}
+        method = SemanticID(**settings)
+        method.attach_adapter(modules)  # None: the per-sequence PCA start the method uses untrained
+        return method

@@ -11,14 +11,31 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from zoomkv.errors import BudgetError, ConfigError
 
-if TYPE_CHECKING:
-    from zoomkv.memory.layer import LayerMemory
+
+class Memory(Protocol):
+    """What a method sees of one layer's memory (``zoomkv.memory.layer.LayerMemory`` is the real one): the two
+    tiers it stores tensors in, small Python values in ``meta``, and the buffer factories that put a tensor
+    in the right tier (pinned host memory on CUDA, quantized rows when asked)."""
+
+    layer_idx: int
+    device_tier: dict[str, Any]
+    host_tier: dict[str, Any]
+    meta: dict[str, Any]
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    def host_rows(self, tensor: torch.Tensor) -> Any: ...
+
+    def device_rows_buffer(self, tensor: torch.Tensor) -> Any: ...
+
+    def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -135,18 +152,18 @@ class KVMethod:
         return False
 
     # -- the three hooks --------------------------------------------------------------------------------
-    def compress(self, memory: LayerMemory, ctx: PrefillContext) -> None:
+    def compress(self, memory: Memory, ctx: PrefillContext) -> None:
         raise NotImplementedError
 
-    def append(self, memory: LayerMemory, key: torch.Tensor, value: torch.Tensor) -> None:
+    def append(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one decode step's new rows (``[batch, kv_heads, 1, head_dim]``)."""
         raise NotImplementedError
 
-    def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
+    def select(self, memory: Memory, query: torch.Tensor) -> Selection:
         """Choose (recall, reconstruct) the rows this step attends to; ``query`` is ``[batch, q_heads, 1, d]``."""
         raise NotImplementedError
 
-    def device_rows(self, memory: LayerMemory) -> int:
+    def device_rows(self, memory: Memory) -> int:
         """KV rows per KV head this layer holds on the device tier now (resident + recall buffers)."""
         rows = 0
         for name in ("keys", "recall_keys"):

@@ -1,4 +1,6 @@
-"""The differentiable student: sekv's decode step at one query position, relaxed so every trainable part
+"""sekv's training: its recipe keys, its modules' start, and the objective against the teacher.
+
+The differentiable student: sekv's decode step at one query position, relaxed so every trainable part
 gets a gradient, and the losses against the teacher.
 
 The span layout is cut by the very functions inference uses (``segment_row``, ``build_spans``) on the
@@ -10,14 +12,18 @@ reconstructed rows by ``z`` in one softmax, rank components by their gate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from zoomkv.adapters.sekv import SeKVAdapter
-from zoomkv.methods._sekv_layout import build_spans, reconstruct, segment_row
-from zoomkv.methods.sekv import SeKVConfig, greedy_zoom, plan_budget, stored_rank
+from zoomkv.methods.sekv.layout import build_spans, reconstruct, segment_row
+from zoomkv.methods.sekv.method import SeKV, SeKVConfig, greedy_zoom, plan_budget, stored_rank
+from zoomkv.methods.sekv.modules import SeKVAdapter, build_sekv_modules
+from zoomkv.protocol.shape import ModelShape
+from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
 
 
 @dataclass
@@ -28,9 +34,6 @@ class Losses:
     route: torch.Tensor
     anchor: torch.Tensor
     budget: torch.Tensor
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
 
 
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
@@ -137,3 +140,91 @@ def rank_regulariser(adapter: SeKVAdapter) -> torch.Tensor:
 def ramp(step: int, ramp_steps: int) -> float:
     return 1.0 if ramp_steps <= 0 else min(1.0, step / ramp_steps)
 
+
+
+@dataclass
+class SeKVRecipe(RecipeOptions):
+    """sekv's own recipe keys (the generic ones, budget and recent among them, are the trainer's)."""
+
+    proj_dim: int | str = "auto"  # semantic projector width; "auto" sizes it under max_trainable_fraction
+    share_projector: bool | str = "auto"
+    r_max: int = 32
+    # sekv's inference hyper-parameters, used to cut spans exactly as inference does (recent: the trainer's)
+    sinks: int = 4
+    chunk: int = 8
+    min_span: int = 4
+    max_span: int = 8
+    anchor_fraction: float = 0.1
+    proj_lr: float = 0.001  # the semantic projector: it rescales logits, so it moves much more gently
+    rho: float = 0.9  # zoom supervision: the smallest span set covering rho of the teacher's span mass
+    w_kl: float = 1.0
+    w_out: float = 1.0
+    w_zoom: float = 0.5
+    w_route: float = 0.5  # listwise: the router's ranking of spans vs the teacher's span mass
+    w_anchor: float = 0.1
+    w_rank: float = 0.01
+    w_budget: float = 0.1
+    budget_ramp_steps: int = 50
+
+    choices = {"proj_dim": ("auto",), "share_projector": ("auto",)}
+
+
+_METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
+
+
+class SeKVTraining(MethodTraining):
+    recipe_class = SeKVRecipe
+
+    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
+        return build_sekv_modules(shape, hyper)
+
+    def init_modules(self, recipe: Any, shape: ModelShape) -> SeKVAdapter:
+        o = recipe.options
+        return build_sekv_modules(shape, {"proj_dim": o.proj_dim, "share_projector": o.share_projector,
+                                          "r_max": o.r_max, "max_trainable_fraction": recipe.max_trainable_fraction,
+                                          "init_seed": recipe.seed})
+
+    def method_config(self, recipe: Any) -> SeKVConfig:
+        return SeKVConfig(**self._method_kwargs(recipe))
+
+    def _method_kwargs(self, recipe: Any) -> dict[str, Any]:
+        o = recipe.options
+        return {k: recipe.recent if k == "recent" else getattr(o, k) for k in _METHOD_KEYS}
+
+    def hyper(self, modules: SeKVAdapter, recipe: Any) -> dict[str, Any]:
+        return {**self._method_kwargs(recipe), **modules.hyper(), "init_seed": recipe.seed}
+
+    def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
+        projector = [p for n, p in modules.named_parameters() if n.startswith("proj_")]
+        others = [p for n, p in modules.named_parameters() if not n.startswith("proj_")]
+        return [{"params": others, "lr": recipe.lr}, {"params": projector, "lr": recipe.options.proj_lr}]
+
+    def step_loss(self, modules: SeKVAdapter, sample: Sample, layers: list[int], recipe: Any, step: int,
+                  rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
+        o, mcfg = recipe.options, self.method_config(recipe)
+        all_layers = sample["layers"].tolist()
+        scaling = float(sample["scaling"])
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "route", "anchor", "budget")}
+        for layer in layers:
+            pos_in_adapter = all_layers.index(layer)
+            keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
+            for p, t in enumerate(sample["positions"].tolist()):
+                losses = position_losses(modules, pos_in_adapter, keys, values, sample[f"q.{layer}"][:, p],
+                                         sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
+                                         recipe.budget, mcfg, o.rho)
+                if losses is not None:
+                    for k in parts:
+                        parts[k].append(getattr(losses, k))
+        if not parts["kl"]:
+            zero = sum(p.sum() * 0 for p in modules.parameters())
+            return zero, {}
+        mean = {k: torch.stack(v).mean() for k, v in parts.items()}
+        rank = rank_regulariser(modules)
+        loss = (o.w_kl * mean["kl"] + o.w_out * mean["out"] + o.w_zoom * mean["zoom"] + o.w_route * mean["route"]
+                + o.w_anchor * mean["anchor"] + o.w_rank * rank
+                + o.w_budget * ramp(step, o.budget_ramp_steps) * mean["budget"])
+        logs = {k: v.item() for k, v in mean.items()} | {"rank": rank.item(), "loss": loss.item()}
+        return loss, logs
+
+    def make_method(self, modules: SeKVAdapter | None, recipe: Any) -> SeKV:
+        return SeKV(adapter=modules, **self._method_kwargs(recipe))

@@ -1,20 +1,8 @@
-"""The contract between trained methods and the adapter artefact.
-
-A trained method (``sekv``, ``semantic_id``) owns a small ``nn.Module`` of trainable parts. Its adapter
-module builder is registered by method name, so the artefact layer (export, ``ZoomAdapter``, PEFT, Hub)
-can rebuild the module from ``adapter_config.json`` alone and load ``adapter_model.safetensors`` into it
-without knowing the method:
-
-    @register_adapter_modules("sekv")
-    def build_sekv_modules(shape: ModelShape, hyper: dict) -> nn.Module: ...
-
-``ModelShape`` is what a module needs to size itself; ``base_fingerprint`` is what an adapter records
-to refuse the wrong base model.
-"""
+"""What a trainable method's modules need to know of the base model: its shape, and the fingerprint an
+adapter records to refuse the wrong base model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,9 +10,6 @@ import torch
 
 from zoomkv import compat
 from zoomkv.errors import ConfigError
-
-AdapterBuilder = Callable[["ModelShape", dict[str, Any]], torch.nn.Module]
-ADAPTER_MODULES: dict[str, AdapterBuilder] = {}
 
 
 @dataclass(frozen=True)
@@ -89,22 +74,6 @@ def base_fingerprint(model_or_config: Any, name: str | None = None, revision: st
 
 FINGERPRINT_KEYS = ("model_type", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
                     "vocab_size")
-
-
-def register_adapter_modules(method: str) -> Callable[[AdapterBuilder], AdapterBuilder]:
-    def wrap(fn: AdapterBuilder) -> AdapterBuilder:
-        ADAPTER_MODULES[method] = fn
-        return fn
-
-    return wrap
-
-
-def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
-    import zoomkv.methods  # noqa: F401  (method modules register their adapter builders on import)
-
-    if method not in ADAPTER_MODULES:
-        raise ConfigError(f"method {method!r} has no trainable adapter; trainable methods: {sorted(ADAPTER_MODULES)}")
-    return ADAPTER_MODULES[method](shape, hyper)
 
 
 def trainable_fraction(modules: torch.nn.Module, shape: ModelShape) -> float:

@@ -1,0 +1,187 @@
+"""The recallable family: methods that keep every row on the host tier and recall what a step needs.
+
+``RecallableMethod`` writes the shared prologue once: the dense first layers the published methods keep
+(Quest, ClusterKV, InfiniGen), the host-tier copy of every row, and the device-tier recall buffer. A
+subclass builds its index at prefill (``build_index``), extends it per decode step (``index_append``) and
+picks rows (``select_rows``). The functions below are the same pieces for methods with their own layout.
+
+Recall copies chosen host-tier rows into the layer's device-tier recall buffer. On a CUDA machine the host
+tier is pinned CPU memory: rows are gathered on the host and copied into a preallocated device buffer
+without blocking. On a CPU-only machine both tiers are RAM and the copy is a plain gather, but the buffer
+is still the device tier's and still counted.
+
+Everything here works on a ``Memory`` (the object the runtime hands a method; only its tiers,
+``meta`` and buffer factories are used) and keeps its tensors in the layer's tiers, never on the method
+object (one method object serves every layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zoomkv.errors import ConfigError
+from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, Selection
+
+
+def kv_rows(value: object) -> int:
+    """Rows per KV head a device-tier KV buffer (a tensor or a row buffer) occupies: its allocated capacity,
+    since that is what is held."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.shape[2]
+    return value.capacity
+
+
+# -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
+def keep_dense(memory: Memory, ctx: PrefillContext) -> None:
+    memory.meta["dense"] = True
+    memory.device_tier["keys"] = ctx.keys
+    memory.device_tier["values"] = ctx.values
+
+
+def is_dense(memory: Memory) -> bool:
+    return bool(memory.meta.get("dense", False))
+
+
+def dense_append(memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
+    # The same concatenation ``full`` does, so a dense layer costs (and computes) what ``full`` does.
+    memory.device_tier["keys"] = torch.cat([memory.device_tier["keys"], key], dim=2)
+    memory.device_tier["values"] = torch.cat([memory.device_tier["values"], value], dim=2)
+
+
+def dense_select(memory: Memory) -> Selection:
+    # All rows in sequence order: the model's own mask (left padding) applies unchanged.
+    return Selection(memory.device_tier["keys"], memory.device_tier["values"], use_model_mask=True)
+
+
+# -- the host tier: every row, so any of them can be recalled -------------------------------------------
+def store_host_rows(memory: Memory, ctx: PrefillContext) -> None:
+    memory.host_tier["keys"] = memory.host_rows(ctx.keys)
+    memory.host_tier["values"] = memory.host_rows(ctx.values)
+    if ctx.valid is not None:
+        # [b, 1, n, 1] so it grows along the row axis like the keys do.
+        memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+
+
+def append_host_rows(memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
+    memory.host_tier["keys"].append(key)
+    memory.host_tier["values"].append(value)
+    if "valid" in memory.host_tier:
+        # Generated rows are always real tokens.
+        ones = torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device)
+        memory.host_tier["valid"].append(ones)
+
+
+def host_valid(memory: Memory) -> torch.Tensor | None:
+    """``[b, 1, n]`` bool (False on left padding), or None when nothing is padded."""
+    buf = memory.host_tier.get("valid")
+    return None if buf is None else buf.view()[:, :, :, 0]
+
+
+def host_length(memory: Memory) -> int:
+    return memory.host_tier["keys"].length
+
+
+def check_dense_layers(dense_layers: int) -> None:
+    if dense_layers < 0:
+        raise ConfigError(f"dense_layers must be >= 0, got {dense_layers}")
+
+
+def check_group_score(group_score: str) -> None:
+    if group_score not in ("max", "sum"):
+        raise ConfigError(f"group_score must be 'max' or 'sum', got {group_score!r}")
+
+
+# -- recall: host-tier rows into the device tier's recall buffer -----------------------------------------
+def reserve_recall_buffer(memory, rows: int, prefix: str = "recall") -> None:
+    """Make sure the device tier has ``rows`` recall rows per KV head (reallocated only when growing)."""
+    buf = memory.device_tier.get(f"{prefix}_keys")
+    if buf is None or buf.shape[2] < rows:
+        memory.device_tier[f"{prefix}_keys"] = memory.device_buffer(rows, memory.key_dim)
+        memory.device_tier[f"{prefix}_values"] = memory.device_buffer(rows, memory.value_dim)
+
+
+def recall_rows(
+    memory, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor | None, prefix: str = "recall"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather rows ``idx`` (``[b, h, k]``, or None for all rows) of host-tier ``keys``/``values``
+    (``[b, h, n, d]``) into the device recall buffer; returns views of the filled part."""
+    k = keys.shape[2] if idx is None else idx.shape[2]
+    reserve_recall_buffer(memory, k, prefix)
+    if idx is None:
+        sel_k, sel_v = keys, values
+    else:
+        idx = idx.to(keys.device)
+        sel_k = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        sel_v = torch.gather(values, 2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
+    rk = memory.device_tier[f"{prefix}_keys"][:, :, :k]
+    rv = memory.device_tier[f"{prefix}_values"][:, :, :k]
+    rk.copy_(sel_k, non_blocking=True)
+    rv.copy_(sel_v, non_blocking=True)
+    return rk, rv
+
+
+def padding_bias(valid: torch.Tensor | None, idx: torch.Tensor | None, heads: int, dtype, device) -> torch.Tensor | None:
+    """``-inf`` logit bias for selected rows that are left padding. ``valid`` is ``[b, n]`` or ``[b, 1, n]``."""
+    if valid is None:
+        return None
+    if valid.dim() == 2:
+        valid = valid[:, None, :]
+    rows = valid.expand(-1, heads, -1)
+    if idx is not None:
+        rows = torch.gather(rows, 2, idx.to(rows.device))
+    bias = torch.zeros(rows.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~rows.to(device), float("-inf"))
+
+
+class RecallableMethod(KVMethod):
+    """Base of the methods that keep every row on the host tier (Quest, ClusterKV, InfiniGen).
+
+    Layers below ``config.dense_layers`` are kept whole, exactly as ``full`` keeps them. Every other layer
+    stores all rows on the host tier; the subclass keeps its index on the device tier and picks the rows
+    each step recalls into the recall buffer.
+    """
+
+    recallable = True
+
+    def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        return layer_idx < self.config.dense_layers
+
+    def device_rows(self, memory: Memory) -> int:
+        # Dense layers hold "keys"; compressed layers hold only the recall buffer (an index is metadata,
+        # counted in bytes but not in rows).
+        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
+
+    def compress(self, memory: Memory, ctx: PrefillContext) -> None:
+        if self.dense_layer(ctx.layer_idx, ctx.num_layers):
+            keep_dense(memory, ctx)
+            return
+        store_host_rows(memory, ctx)
+        self.build_index(memory, ctx)
+
+    def append(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        if is_dense(memory):
+            dense_append(memory, key, value)
+            return
+        before = host_length(memory)
+        append_host_rows(memory, key, value)
+        self.index_append(memory, key, value, before)
+
+    def select(self, memory: Memory, query: torch.Tensor) -> Selection:
+        if is_dense(memory):
+            return dense_select(memory)
+        return self.select_rows(memory, query)
+
+    # -- what a subclass writes -----------------------------------------------------------------------------
+    def build_index(self, memory: Memory, ctx: PrefillContext) -> None:
+        """Build the device-tier index of a compressed layer once its rows are on the host tier."""
+        raise NotImplementedError
+
+    def index_append(self, memory: Memory, key: torch.Tensor, value: torch.Tensor, before: int) -> None:
+        """Extend the index with a decode step's row (``before``: host rows before it)."""
+        raise NotImplementedError
+
+    def select_rows(self, memory: Memory, query: torch.Tensor) -> Selection:
+        """Recall the rows this step attends to."""
+        raise NotImplementedError

@@ -1,0 +1,77 @@
+"""What a trainable method hands the adapter artefact and the training loop: ``MethodTraining``.
+
+A method that trains registers one ``MethodTraining`` next to its config and class
+(``register_method(name, config_cls, method_cls, training=...)``). The adapter layer rebuilds the modules
+of a saved adapter through ``build_modules``; the training loop (``zoomkv.train``) knows no method by name
+and asks this object for everything method-specific: the recipe keys the method adds, fresh modules,
+their optimiser groups, the loss of one step against the teacher, the hyper-parameters an adapter
+records, and the method object to evaluate with the fresh or the trained modules.
+
+``recipe`` below is the resolved training recipe (``zoomkv.train.config.TrainConfig``): its generic keys
+as attributes, and the method's own keys (an instance of ``recipe_class``) as ``recipe.options``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from zoomkv.protocol.method import KVMethod, MethodConfig
+from zoomkv.protocol.shape import ModelShape
+
+# The teacher-signal samples a step trains on: tensors by name (see zoomkv.train.teacher for the keys).
+Sample = dict[str, torch.Tensor]
+
+
+@dataclass
+class RecipeOptions:
+    """Base of a method's own recipe keys (a flat dataclass; ``choices`` lists the strings a key accepts)."""
+
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+
+class MethodTraining:
+    recipe_class: ClassVar[type[RecipeOptions]] = RecipeOptions
+    report_name: ClassVar[str] = "report"  # the run folder's <report_name>.json holds ``report`` before and after
+
+    # -- the modules --------------------------------------------------------------------------------------
+    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
+        """The modules an adapter config describes (``hyper``), sized from the base model's shape alone."""
+        raise NotImplementedError
+
+    def init_modules(self, recipe: Any, shape: ModelShape) -> torch.nn.Module:
+        """Fresh modules for a training run."""
+        raise NotImplementedError
+
+    def prepare(self, modules: torch.nn.Module, recipe: Any, samples: Callable[[], Sequence[Sample]]) -> None:
+        """Called once before training a fresh adapter, with the teacher cache (e.g. a PCA start)."""
+
+    def hyper(self, modules: torch.nn.Module, recipe: Any) -> dict[str, Any]:
+        """What rebuilds these modules (their exact sizes) and runs the method as trained."""
+        raise NotImplementedError
+
+    # -- the objective ------------------------------------------------------------------------------------
+    def param_groups(self, modules: torch.nn.Module, recipe: Any) -> list[dict[str, Any]]:
+        return [{"params": list(modules.parameters()), "lr": recipe.lr}]
+
+    def step_loss(self, modules: torch.nn.Module, sample: Sample, layers: list[int], recipe: Any, step: int,
+                  rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one sample (its sampled ``layers``) at ``step``, and the numbers to log."""
+        raise NotImplementedError
+
+    def report(self, modules: torch.nn.Module, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any] | None:
+        """Optional numbers of the modules on held-out cached samples, written before and after training."""
+        return None
+
+    # -- inference ----------------------------------------------------------------------------------------
+    def method_config(self, recipe: Any) -> MethodConfig:
+        """The method's settings the modules are trained for."""
+        raise NotImplementedError
+
+    def make_method(self, modules: torch.nn.Module | None, recipe: Any) -> KVMethod:
+        """The method running ``modules`` (None: the method's untrained start), as the recipe sets it."""
+        raise NotImplementedError
