@@ -35,11 +35,11 @@ from zoomkv.adapters.export import write_folder_atomically
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.adapters.sekv import SeKVAdapter, build_sekv_modules, load_adapter
 from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
+from zoomkv.data.training import curriculum_index, make_samples
 from zoomkv.errors import ConfigError
 from zoomkv.methods.sekv import SeKVConfig
 from zoomkv.train import semantic
 from zoomkv.train.config import TrainConfig, save_resolved
-from zoomkv.train.data import curriculum_index, make_samples
 from zoomkv.train.student import position_losses, ramp, rank_regulariser
 from zoomkv.train.teacher import build_cache, load_sample
 
