@@ -11,10 +11,10 @@ import torch
 from zoomkv.adapters.errors import AdapterNotFoundError, BaseModelMismatchError
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.cli import main
+from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.cli import config_from_args
 from zoomkv.eval.harness import EvalConfig, run_eval
-from zoomkv.eval.sample import PromptFormat
 from zoomkv.eval.tasks import TaskBuilder
 from zoomkv.generation import MethodRun, generate_methods
 from zoomkv.models import load_model

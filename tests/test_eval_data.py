@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from zoomkv.data.files import load_data
+from zoomkv.data.longbench import Record, middle_truncate
+from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.data import load_data
-from zoomkv.eval.longbench import Record, middle_truncate
-from zoomkv.eval.sample import PromptFormat
 from zoomkv.models import build_tiny_tokenizer
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
+from zoomkv.data.haystack import essay_haystack
+from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.haystack import essay_haystack
-from zoomkv.eval.sample import PromptFormat
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names
 from zoomkv.models import build_tiny_tokenizer, find_package_dir
 

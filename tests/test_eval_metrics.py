@@ -109,3 +109,11 @@ def test_score_dispatch():
     assert score("qa_f1", "Paris", ["paris"]) == 100.0
     with pytest.raises(ZoomKVError, match="valid metrics"):
         score("bleu", "a", ["a"])
+
+
+def test_metric_registry_matches_the_names_data_files_may_use():
+    # the data readers (zoomkv.data) validate a record's metric against METRIC_NAMES without importing eval
+    from zoomkv.data.sample import METRIC_NAMES
+    from zoomkv.eval.metrics import METRICS
+
+    assert tuple(METRICS) == METRIC_NAMES

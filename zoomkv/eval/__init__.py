@@ -1,5 +1,6 @@
 """Evaluation: RULER-style synthetic tasks, a NIAH grid, LongBench/plain/GSM8K JSONL tasks, and one
 harness that runs every method × budget on them with a shared prefill (``zoomkv eval``).
+The tasks' generators and file readers live in ``zoomkv.data``; scoring, rows and reports live here.
 
 The submodules import torch and transformers lazily where they can; importing this package is cheap.
 """

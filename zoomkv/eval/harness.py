@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from zoomkv.budget import Budget
+from zoomkv.data.files import DataTask, load_data
+from zoomkv.data.haystack import Haystack, essay_haystack
+from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.data import DataTask, load_data
-from zoomkv.eval.haystack import Haystack, essay_haystack
 from zoomkv.eval.metrics import score
 from zoomkv.eval.rows import RowStore, row_key
-from zoomkv.eval.sample import PromptFormat, Sample
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names
 from zoomkv.generation import GenerationResult, MethodRun, generate_methods
 

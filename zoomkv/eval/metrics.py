@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zoomkv.data.manyshot import parse_number
 from zoomkv.errors import ZoomKVError
 
 Metric = Callable[..., float]
@@ -182,14 +183,6 @@ def code_sim(prediction: str, answers: Sequence[str], **_: Any) -> float:
 # ---------------------------------------------------------------------------------------- exact number
 
 _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
-
-
-def parse_number(text: str) -> float | None:
-    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 def extract_final_number(prediction: str) -> float | None:

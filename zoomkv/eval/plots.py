@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from zoomkv.eval.rows import GRID_TASK  # noqa: E402
-from zoomkv.eval.summary import _budget_order, config_label, task_order  # noqa: E402
+from zoomkv.eval.summary import budget_order, config_label, task_order  # noqa: E402
 
 
 def _safe(name: str) -> str:
@@ -33,7 +33,7 @@ def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> 
     """Budgets on an evenly spaced categorical axis (they mix row counts and fractions); full as a line."""
     subset = [r for r in rows if task is None or r["task"] == task]
     means = _mean_scores(subset)
-    budgets = sorted({b for (_, b) in means if b}, key=_budget_order)
+    budgets = sorted({b for (_, b) in means if b}, key=budget_order)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label in dict.fromkeys(lbl for (lbl, b) in means if b):
         xs = [i for i, b in enumerate(budgets) if (label, b) in means]
@@ -92,7 +92,7 @@ def niah_heatmaps(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         by_method[config_label(r)].append(r)
     paths = []
     for label, rs in by_method.items():
-        budgets = sorted({r.get("budget") or "" for r in rs}, key=_budget_order)
+        budgets = sorted({r.get("budget") or "" for r in rs}, key=budget_order)
         lengths = sorted({r["length"] for r in rs})
         depths = sorted({round(float(r["depth"]), 4) for r in rs})
         size = (1.5 + (0.6 + 0.8 * len(lengths)) * len(budgets), 1.6 + 0.4 * len(depths))

@@ -18,7 +18,7 @@ def config_label(row: dict[str, Any]) -> str:
     return row["method"] + (f"({args})" if args else "")
 
 
-def _budget_order(budget: str | None) -> tuple[int, float]:
+def budget_order(budget: str | None) -> tuple[int, float]:
     if not budget:
         return (0, 0.0)
     value = float(budget)
@@ -29,7 +29,7 @@ def config_order(rows: list[dict[str, Any]], methods: list[str] | None = None) -
     """(label, budget) pairs: full first, then methods in the order asked, budgets ascending."""
     pairs = {(config_label(r), r.get("budget") or "", r["method"]) for r in rows}
     rank = {m: i for i, m in enumerate(methods or [])}
-    ordered = sorted(pairs, key=lambda p: (p[2] != "full", rank.get(p[2], len(rank)), p[0], _budget_order(p[1])))
+    ordered = sorted(pairs, key=lambda p: (p[2] != "full", rank.get(p[2], len(rank)), p[0], budget_order(p[1])))
     return [(label, budget) for label, budget, _ in ordered]
 
 

@@ -7,15 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from zoomkv.data.files import DataTask
+from zoomkv.data.haystack import Haystack
+from zoomkv.data.ruler_niah import NIAH_TASKS, generate_niah, niah_new_tokens
+from zoomkv.data.ruler_vt import MAX_NEW_TOKENS as VT_NEW_TOKENS
+from zoomkv.data.ruler_vt import generate_vt
+from zoomkv.data.ruler_words import CWE_NEW_TOKENS, FWE_NEW_TOKENS, generate_cwe, generate_fwe
+from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.data import DataTask
-from zoomkv.eval.haystack import Haystack
 from zoomkv.eval.rows import GRID_TASK
-from zoomkv.eval.ruler_niah import NIAH_TASKS, generate_niah, niah_new_tokens
-from zoomkv.eval.ruler_vt import MAX_NEW_TOKENS as VT_NEW_TOKENS
-from zoomkv.eval.ruler_vt import generate_vt
-from zoomkv.eval.ruler_words import CWE_NEW_TOKENS, FWE_NEW_TOKENS, generate_cwe, generate_fwe
-from zoomkv.eval.sample import PromptFormat, Sample
 
 __all__ = ["GRID_TASK", "SYNTHETIC_TASKS", "SyntheticTask", "TaskBuilder", "check_task_names"]
 

@@ -33,11 +33,11 @@ from zoomkv.adapters.checkpoint import STATE_NAME, checkpoint_files
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
+from zoomkv.data.training import curriculum_index, make_samples
 from zoomkv.errors import ConfigError
 from zoomkv.protocol.registry import get_method
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train.config import TrainConfig, save_resolved
-from zoomkv.train.data import curriculum_index, make_samples
 from zoomkv.train.teacher import CachedSamples, build_cache, load_sample
 
 # Shapes of models too big to load for a dry run: the trainable fraction needs only their config.

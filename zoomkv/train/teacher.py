@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from zoomkv.data.training import Sample
 from zoomkv.memory.replay import record_prefill, record_surprisal
-from zoomkv.train.data import Sample
 
 CACHE_VERSION = 1
 

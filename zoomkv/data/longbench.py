@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoomkv.data.jsonl import DataFileError, require, string_list
+from zoomkv.data.sample import METRIC_NAMES, PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.jsonl import DataFileError, require, string_list
-from zoomkv.eval.metrics import METRICS
-from zoomkv.eval.sample import PromptFormat, Sample
 
 _QA = ("Read the text below and answer the question after it as briefly as you can.\n\nText:\n",
        "\n\nQuestion: {input}\nGive only the answer, no other words.", "\nAnswer:")
@@ -169,8 +168,8 @@ def longbench_record(path: Path, line: int, obj: dict[str, Any], default_name: s
         info = DatasetInfo(str(obj["metric"]), _count_field(path, line, obj, "max_new_tokens", 64), "qa")
     else:
         info = dataset_info(path, line, name)
-    if info.metric not in METRICS:
-        raise DataFileError(path, line, f"unknown metric {info.metric!r}; valid: {', '.join(METRICS)}")
+    if info.metric not in METRIC_NAMES:
+        raise DataFileError(path, line, f"unknown metric {info.metric!r}; valid: {', '.join(METRIC_NAMES)}")
     if info.metric == "classification" and not classes:
         raise DataFileError(path, line, "missing field 'all_classes' (the classification metric needs it)")
     head, tail, prefix = TEMPLATES[info.template]
@@ -184,8 +183,8 @@ def plain_record(path: Path, line: int, obj: dict[str, Any], default_name: str) 
     the context (cut in its middle when too long) comes first, then the prompt."""
     require(path, line, obj, {"prompt": (str,), "answers": (list, str)}, "plain")
     metric = str(obj.get("metric", "qa_f1"))
-    if metric not in METRICS:
-        raise DataFileError(path, line, f"unknown metric {metric!r}; valid: {', '.join(METRICS)}")
+    if metric not in METRIC_NAMES:
+        raise DataFileError(path, line, f"unknown metric {metric!r}; valid: {', '.join(METRIC_NAMES)}")
     context = obj.get("context", "")
     if not isinstance(context, str):
         raise DataFileError(path, line, "field 'context' should be a string")

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from zoomkv.data.jsonl import DataFileError, read_jsonl
+from zoomkv.data.longbench import LongBenchTask, Record, longbench_record, plain_record
+from zoomkv.data.manyshot import ManyShotTask, parse_problem
+from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.jsonl import DataFileError, read_jsonl
-from zoomkv.eval.longbench import LongBenchTask, Record, longbench_record, plain_record
-from zoomkv.eval.manyshot import ManyShotTask, parse_problem
-from zoomkv.eval.sample import PromptFormat, Sample
 
 FORMATS = ("auto", "longbench", "plain", "gsm8k")
 

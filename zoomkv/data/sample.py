@@ -9,6 +9,13 @@ from typing import Any
 
 from zoomkv.errors import ZoomKVError
 
+# The metrics a sample or a data record may name. ``zoomkv.eval.metrics.METRICS`` implements exactly these,
+# in this order; the data readers check names against this list, since data cannot import eval.
+METRIC_NAMES: tuple[str, ...] = (
+    "string_match_all", "string_match_part", "qa_f1", "qa_f1_zh", "rouge_l", "rouge_l_zh", "classification",
+    "retrieval", "retrieval_zh", "count", "code_sim", "exact_number",
+)
+
 
 @dataclass
 class Sample:
@@ -21,7 +28,7 @@ class Sample:
     prompt: str
     answer_prefix: str
     answers: list[str]
-    metric: str
+    metric: str  # one of METRIC_NAMES
     max_new_tokens: int
     depth: float | None = None
     haystack: str = ""

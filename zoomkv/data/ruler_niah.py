@@ -12,9 +12,9 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from zoomkv.eval.haystack import Haystack, insert_at_depths, noise_haystack, pick_haystack
-from zoomkv.eval.sample import PromptFormat, Sample, fit_units
-from zoomkv.eval.words import ADJECTIVES, NOUNS
+from zoomkv.data.haystack import Haystack, insert_at_depths, noise_haystack, pick_haystack
+from zoomkv.data.sample import PromptFormat, Sample, fit_units
+from zoomkv.data.words import ADJECTIVES, NOUNS
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import string
 
-from zoomkv.eval.haystack import insert_at_depths, noise_haystack
-from zoomkv.eval.sample import PromptFormat, Sample, fit_units
+from zoomkv.data.haystack import insert_at_depths, noise_haystack
+from zoomkv.data.sample import PromptFormat, Sample, fit_units
 
 MAX_NEW_TOKENS = 30
 # An in-context example is prepended, as RULER does, when it takes at most this share of the context.

@@ -10,8 +10,8 @@ from collections import Counter
 
 import numpy as np
 
-from zoomkv.eval.sample import PromptFormat, Sample, fit_units
-from zoomkv.eval.words import PLAIN_WORDS, vocabulary
+from zoomkv.data.sample import PromptFormat, Sample, fit_units
+from zoomkv.data.words import PLAIN_WORDS, vocabulary
 
 CWE_NEW_TOKENS, FWE_NEW_TOKENS = 120, 50
 NUM_COMMON = 10

@@ -12,14 +12,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoomkv.eval.jsonl import DataFileError, require
-from zoomkv.eval.metrics import parse_number
-from zoomkv.eval.sample import PromptFormat, Sample, fit_units
+from zoomkv.data.jsonl import DataFileError, require
+from zoomkv.data.sample import PromptFormat, Sample, fit_units
 
 MAX_NEW_TOKENS = 128
 INSTRUCTION = "Solve each math problem step by step, then give the final number as \"The answer is N.\"\n\n"
 PREFIX = "\nAnswer:"
 _CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations: not part of the written solution
+
+
+def parse_number(text: str) -> float | None:
+    """A written number ("1,234", "$5", "7.") as a float, else None: how a GSM8K answer is read, and
+    how ``zoomkv.eval.metrics.exact_number`` reads the model's."""
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
