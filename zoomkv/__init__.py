@@ -1,11 +1,14 @@
-"""zoomkv: keep the whole KV cache, hold little of it on the accelerator, recall what each step needs."""
+"""zoomkv: keep the whole KV cache, hold little of it on the accelerator, recall what each step needs.
 
-__version__ = "0.1.0"
+The package face: importing ``zoomkv`` (or any part of it) registers every shipped method, so
+``get_method`` and the adapter loader know them all. The layers are in docs/ARCHITECTURE.md.
+"""
 
-from zoomkv.budget import Budget  # noqa: E402
-from zoomkv.errors import ZoomKVError  # noqa: E402
-from zoomkv.memory import LayerMemory, MemoryReport, ZoomCache, attach  # noqa: E402
-from zoomkv.methods import get_method, list_methods, register_method  # noqa: E402
+from zoomkv.budget import Budget
+from zoomkv.errors import ZoomKVError
+from zoomkv.memory import LayerMemory, MemoryReport, ZoomCache, attach
+from zoomkv.methods import get_method, list_methods, register_method
+from zoomkv.version import __version__
 
 __all__ = [
     "__version__",

@@ -35,7 +35,7 @@ PEFT_CONFIG_KEYS = frozenset({
 
 
 def _toolkit_version() -> str:
-    from zoomkv import __version__
+    from zoomkv.version import __version__
 
     return __version__
 
