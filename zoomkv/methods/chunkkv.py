@@ -28,7 +28,7 @@ Choices and deviations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,11 +55,17 @@ REUSE_SCORES = "reuse_scores"
 
 @dataclass
 class ChunkKVConfig(MethodConfig):
-    window: int = 32  # observation window, as SnapKV
-    chunk_size: int = 10  # paper default
-    reuse_layers: int = 2  # layer-wise index reuse: groups of this many compressed layers share indices
-    kernel_size: int = 1  # no pooling before chunking (the authors' implementation)
-    pooling: str = "max"
+    window: int = field(default=32, metadata={"help": "observation window, as SnapKV"})
+    chunk_size: int = field(default=10, metadata={"help": "paper default"})
+    reuse_layers: int = field(
+        default=2,
+        metadata={"help": "layer-wise index reuse: groups of this many compressed layers share indices"},
+    )
+    kernel_size: int = field(
+        default=1,
+        metadata={"help": "no pooling before chunking (the authors' implementation)"},
+    )
+    pooling: str = field(default="max", metadata={"help": "pooling of the window votes: \"max\" or \"avg\""})
 
     def __post_init__(self) -> None:
         if self.window < 1:

@@ -29,7 +29,7 @@ Deviations, on purpose:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,12 +46,24 @@ from zoomkv.protocol.recallable import (
 
 @dataclass
 class ClusterKVConfig(MethodConfig):
-    num_sinks: int = 16  # first real tokens kept resident
-    cluster_size: int = 80  # average rows per cluster: C = ceil(rows / cluster_size)
-    kmeans_iters: int = 20
-    recluster_interval: int = 320  # generated rows are clustered once this many have accumulated...
-    recent_fraction: float = 0.5  # ...or earlier, once they fill this fraction of the non-sink budget
-    dense_layers: int = 2  # the first layers are kept whole, as in the paper; 0 for a strict budget
+    num_sinks: int = field(default=16, metadata={"help": "first real tokens kept resident"})
+    cluster_size: int = field(
+        default=80,
+        metadata={"help": "average rows per cluster: C = ceil(rows / cluster_size)"},
+    )
+    kmeans_iters: int = field(default=20, metadata={"help": "cosine k-means iterations at prefill"})
+    recluster_interval: int = field(
+        default=320,
+        metadata={"help": "generated rows are clustered once this many have accumulated..."},
+    )
+    recent_fraction: float = field(
+        default=0.5,
+        metadata={"help": "...or earlier, once they fill this fraction of the non-sink budget"},
+    )
+    dense_layers: int = field(
+        default=2,
+        metadata={"help": "the first layers are kept whole, as in the paper; 0 for a strict budget"},
+    )
 
     def __post_init__(self) -> None:
         if self.num_sinks < 0:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
@@ -157,14 +157,23 @@ def error_budgets(errors: tuple[float, ...], budget: int, floor: int = 32, cap_f
 
 @dataclass
 class CompressKVConfig(MethodConfig):
-    window: int = 8  # observation window of prompt queries (paper: 8)
-    kernel_size: int = 5  # pooling kernel (paper: 5)
-    pooling: str = "avg"  # the authors' default: average pooling
-    top_heads: int = 4  # semantic retrieval heads per layer (paper: 4)
-    min_layer_budget: int = 32  # floor of a layer's rows (paper: 32)
-    max_layer_factor: int = 3  # cap of a layer's rows, in units of B (paper: 3B)
-    profile: str | None = None  # path of the calibration profile (default: found from the model name)
-    model: str | None = None  # model name whose profile_dir holds the profile
+    window: int = field(default=8, metadata={"help": "observation window of prompt queries (paper: 8)"})
+    kernel_size: int = field(default=5, metadata={"help": "pooling kernel (paper: 5)"})
+    pooling: str = field(default="avg", metadata={"help": "the authors' default: average pooling"})
+    top_heads: int = field(default=4, metadata={"help": "semantic retrieval heads per layer (paper: 4)"})
+    min_layer_budget: int = field(default=32, metadata={"help": "floor of a layer's rows (paper: 32)"})
+    max_layer_factor: int = field(
+        default=3,
+        metadata={"help": "cap of a layer's rows, in units of B (paper: 3B)"},
+    )
+    profile: str | None = field(
+        default=None,
+        metadata={"help": "path of the calibration profile (default: found from the model name)"},
+    )
+    model: str | None = field(
+        default=None,
+        metadata={"help": "model name whose profile_dir holds the profile"},
+    )
 
     def __post_init__(self) -> None:
         if self.window < 1:

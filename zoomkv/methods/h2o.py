@@ -24,7 +24,7 @@ row for the whole group; the published code is per (MHA) head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,8 +41,8 @@ _EPS = 1e-9
 
 @dataclass
 class H2OConfig(MethodConfig):
-    heavy_ratio: float = 0.5  # share of B for heavy hitters
-    recent_ratio: float = 0.5  # share of B for the recent window
+    heavy_ratio: float = field(default=0.5, metadata={"help": "share of B for heavy hitters"})
+    recent_ratio: float = field(default=0.5, metadata={"help": "share of B for the recent window"})
 
     def __post_init__(self) -> None:
         if self.heavy_ratio < 0 or self.recent_ratio <= 0:

@@ -39,7 +39,7 @@ looked up as ``profile_dir(ctx.model_name)/infinigen.safetensors`` unless ``prof
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,10 +65,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class InfiniGenConfig(MethodConfig):
-    alpha: float = 5.0  # recall rows whose estimated logit is within alpha of the head's best (Llama: 5)
-    profile: str | None = None  # profile file, folder or calibrated model name (None: the running model's)
-    dense_layers: int = 1  # the first layer has no previous layer to speculate from: kept whole
-    speculate: str = "previous_layer"  # the query estimated from layer i-1's input ("same_layer": layer i's own)
+    alpha: float = field(
+        default=5.0,
+        metadata={"help": "recall rows whose estimated logit is within alpha of the head's best (Llama: 5)"},
+    )
+    profile: str | None = field(
+        default=None,
+        metadata={"help": "profile file, folder or calibrated model name (None: the running model's)"},
+    )
+    dense_layers: int = field(
+        default=1,
+        metadata={"help": "the first layer has no previous layer to speculate from: kept whole"},
+    )
+    speculate: str = field(
+        default="previous_layer",
+        metadata={"help": "the query estimated from layer i-1's input (\"same_layer\": layer i's own)"},
+    )
 
     def __post_init__(self) -> None:
         if self.alpha <= 0:

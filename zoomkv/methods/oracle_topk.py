@@ -5,7 +5,7 @@ every recallable method is compared with: no method choosing B rows per step can
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,9 +15,10 @@ from zoomkv.protocol.recallable import padding_bias, recall_rows, reserve_recall
 
 @dataclass
 class OracleTopKConfig(MethodConfig):
-    # How a GQA group's query heads vote for a KV head's rows: "mass" sums each head's softmax
-    # probability (the rows carrying most attention of the group), "max" takes the largest logit.
-    group_score: str = "mass"
+    group_score: str = field(
+        default="mass",
+        metadata={"help": "How a GQA group's query heads vote for a KV head's rows: \"mass\" sums each head's softmax probability (the rows carrying most attention of the group), \"max\" takes the largest logit."},
+    )
 
 
 class OracleTopK(KVMethod):

@@ -25,7 +25,7 @@ Deviations, and why:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 
@@ -35,7 +35,10 @@ from zoomkv.methods.snapkv import SnapKV, SnapKVConfig
 
 @dataclass
 class PyramidKVConfig(SnapKVConfig):
-    beta: float = 20.0  # pyramid steepness: the top layer gets 1/beta of the average non-window budget
+    beta: float = field(
+        default=20.0,
+        metadata={"help": "pyramid steepness: the top layer gets 1/beta of the average non-window budget"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -23,7 +23,7 @@ Deviations, on purpose:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,15 @@ from zoomkv.protocol.recallable import (
 
 @dataclass
 class QuestConfig(MethodConfig):
-    page_size: int = 16  # rows per page (the paper's default)
-    dense_layers: int = 2  # the first layers are kept whole, as in the paper; 0 for a strict budget
-    group_score: str = "sum"  # how a GQA group's query heads combine their page bounds: "sum" or "max"
+    page_size: int = field(default=16, metadata={"help": "rows per page (the paper's default)"})
+    dense_layers: int = field(
+        default=2,
+        metadata={"help": "the first layers are kept whole, as in the paper; 0 for a strict budget"},
+    )
+    group_score: str = field(
+        default="sum",
+        metadata={"help": "how a GQA group's query heads combine their page bounds: \"sum\" or \"max\""},
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -48,7 +48,7 @@ this runtime meets a hard budget, not the paper's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,15 +80,31 @@ SINK = -2
 
 @dataclass
 class SemantiCacheConfig(MethodConfig):
-    # GSC: cosine similarity to a seed to join its cluster. None: the highest threshold that meets the
-    # budget (merge only as much as B demands); a number: that threshold, lowered only if B demands.
-    threshold: float | None = None
-    window: int = 32  # newest rows kept exact (at most half the budget)
-    sinks: int = 4  # first real tokens kept exact, never merged (at most a quarter of the budget)
-    boundary_token_ids: tuple[int, ...] | None = None  # None: from ctx.tokenizer
-    segment_length: int = 16  # fallback without token ids: fixed chunks of this many real tokens
-    max_chunk_length: int = 64  # longer chunks are split (bounds GSC's sequential loop)
-    bisection_steps: int = 12  # threshold search per layer and KV head (resolution 3 / 2**12)
+    threshold: float | None = field(
+        default=None,
+        metadata={"help": "GSC: cosine similarity to a seed to join its cluster. None: the highest threshold that meets the budget (merge only as much as B demands); a number: that threshold, lowered only if B demands."},
+    )
+    window: int = field(default=32, metadata={"help": "newest rows kept exact (at most half the budget)"})
+    sinks: int = field(
+        default=4,
+        metadata={"help": "first real tokens kept exact, never merged (at most a quarter of the budget)"},
+    )
+    boundary_token_ids: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "None: from ctx.tokenizer"},
+    )
+    segment_length: int = field(
+        default=16,
+        metadata={"help": "fallback without token ids: fixed chunks of this many real tokens"},
+    )
+    max_chunk_length: int = field(
+        default=64,
+        metadata={"help": "longer chunks are split (bounds GSC's sequential loop)"},
+    )
+    bisection_steps: int = field(
+        default=12,
+        metadata={"help": "threshold search per layer and KV head (resolution 3 / 2**12)"},
+    )
 
     def __post_init__(self) -> None:
         if self.threshold is not None and not -1.0 <= self.threshold <= 1.0:

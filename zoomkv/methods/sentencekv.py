@@ -41,7 +41,7 @@ runtime's ``tail_summary`` row, the tail's running sums still stand for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,14 +70,26 @@ _SENTENCE_SLOTS = 16
 
 @dataclass
 class SentenceKVConfig(MethodConfig):
-    start_budget: int = 32  # first kept rows always attended (paper: 32)
-    recent_budget: int = 32  # newest rows always attended (paper: 32)
-    semantic_factor: float = 5.0  # the prefilter keeps this × B rows on the host tier (paper: 5)
-    window: int = 32  # prefilter: SnapKV observation window (paper code: 32)
-    kernel_size: int = 7  # prefilter: pooling kernel (paper code: 7)
-    pooling: str = "max"  # prefilter: pooling (paper code: max)
-    boundary_token_ids: tuple[int, ...] | None = None  # None: from ctx.tokenizer
-    segment_length: int = 24  # fallback without token ids: fixed segments of this many real tokens
+    start_budget: int = field(default=32, metadata={"help": "first kept rows always attended (paper: 32)"})
+    recent_budget: int = field(default=32, metadata={"help": "newest rows always attended (paper: 32)"})
+    semantic_factor: float = field(
+        default=5.0,
+        metadata={"help": "the prefilter keeps this × B rows on the host tier (paper: 5)"},
+    )
+    window: int = field(
+        default=32,
+        metadata={"help": "prefilter: SnapKV observation window (paper code: 32)"},
+    )
+    kernel_size: int = field(default=7, metadata={"help": "prefilter: pooling kernel (paper code: 7)"})
+    pooling: str = field(default="max", metadata={"help": "prefilter: pooling (paper code: max)"})
+    boundary_token_ids: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "None: from ctx.tokenizer"},
+    )
+    segment_length: int = field(
+        default=24,
+        metadata={"help": "fallback without token ids: fixed segments of this many real tokens"},
+    )
 
     def __post_init__(self) -> None:
         if self.start_budget < 0 or self.recent_budget < 1:

@@ -17,7 +17,7 @@ query heads, so each KV head stores one compressed cache (what a GQA cache actua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +40,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class SnapKVConfig(MethodConfig):
-    window: int = 32  # observation window: the last prompt queries that vote (paper: 32)
-    kernel_size: int = 7  # pooling kernel (paper's LongBench setting: 7)
-    pooling: str = "max"  # "max" (published) or "avg"
+    window: int = field(
+        default=32,
+        metadata={"help": "observation window: the last prompt queries that vote (paper: 32)"},
+    )
+    kernel_size: int = field(default=7, metadata={"help": "pooling kernel (paper's LongBench setting: 7)"})
+    pooling: str = field(default="max", metadata={"help": "\"max\" (published) or \"avg\""})
 
     def __post_init__(self) -> None:
         if self.window < 1:

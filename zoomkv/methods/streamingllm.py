@@ -13,7 +13,7 @@ shift; within the model's context length that is the setting the paper's compari
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class StreamingLLMConfig(MethodConfig):
-    sinks: int = 4  # the paper's default: 4 initial tokens suffice as attention sinks
+    sinks: int = field(
+        default=4,
+        metadata={"help": "the paper's default: 4 initial tokens suffice as attention sinks"},
+    )
 
     def __post_init__(self) -> None:
         if self.sinks < 0:

@@ -34,7 +34,7 @@ reconstructs at full rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,12 +49,21 @@ from zoomkv.protocol.recallable import reserve_recall_buffer
 
 @dataclass
 class SeKVConfig(MethodConfig):
-    sinks: int = 4  # first tokens always exact (attention sinks)
-    recent: int = 8  # last tokens always exact
-    chunk: int = 8  # generated rows are summarised into a span every `chunk` steps
-    min_span: int = 4  # shorter runs between anchors stay exact
-    max_span: int = 8  # longest span: the zoom granularity (its SVD at rank max_span is exact)
-    anchor_fraction: float = 0.1  # share of B for anchors + loose rows; after sinks and tail the rest is zoom
+    sinks: int = field(default=4, metadata={"help": "first tokens always exact (attention sinks)"})
+    recent: int = field(default=8, metadata={"help": "last tokens always exact"})
+    chunk: int = field(
+        default=8,
+        metadata={"help": "generated rows are summarised into a span every `chunk` steps"},
+    )
+    min_span: int = field(default=4, metadata={"help": "shorter runs between anchors stay exact"})
+    max_span: int = field(
+        default=8,
+        metadata={"help": "longest span: the zoom granularity (its SVD at rank max_span is exact)"},
+    )
+    anchor_fraction: float = field(
+        default=0.1,
+        metadata={"help": "share of B for anchors + loose rows; after sinks and tail the rest is zoom"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent", "chunk"):

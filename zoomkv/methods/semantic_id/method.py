@@ -61,7 +61,7 @@ bounds and ClusterKV's centroids are not).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,19 +98,36 @@ _MATCH_ROUNDS = 8
 
 @dataclass
 class SemanticIDConfig(MethodConfig):
-    sem_dim: int = 16  # semantic vector size (the projector's output)
-    hidden: int = 32  # projector hidden width (≥ 2 * sem_dim, see SemanticProjector)
-    id_bits: int = 6  # SimHash bits of the semantic ID (64 buckets)
-    key_threshold: float = 0.85  # cosine of keys for a merge
-    value_threshold: float = 0.95  # cosine of values (stricter: values are what the output is made of)
-    recall_threshold: float = 0.8  # recall a group when its match under the query falls below this
-    recall_fraction: float = 0.25  # share of the budget reserved for the recall buffer once merging starts
-    num_sinks: int = 4  # first real tokens never merged
-    recent: int = 8  # newest rows never merged
-    rare_threshold: float = 0.5  # a row less similar than this to every other row is rare (protected)
-    # Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init.
-    projector: str | None = None
-    seed: int = 0  # of the SimHash hyperplanes
+    sem_dim: int = field(default=16, metadata={"help": "semantic vector size (the projector's output)"})
+    hidden: int = field(
+        default=32,
+        metadata={"help": "projector hidden width (≥ 2 * sem_dim, see SemanticProjector)"},
+    )
+    id_bits: int = field(default=6, metadata={"help": "SimHash bits of the semantic ID (64 buckets)"})
+    key_threshold: float = field(default=0.85, metadata={"help": "cosine of keys for a merge"})
+    value_threshold: float = field(
+        default=0.95,
+        metadata={"help": "cosine of values (stricter: values are what the output is made of)"},
+    )
+    recall_threshold: float = field(
+        default=0.8,
+        metadata={"help": "recall a group when its match under the query falls below this"},
+    )
+    recall_fraction: float = field(
+        default=0.25,
+        metadata={"help": "share of the budget reserved for the recall buffer once merging starts"},
+    )
+    num_sinks: int = field(default=4, metadata={"help": "first real tokens never merged"})
+    recent: int = field(default=8, metadata={"help": "newest rows never merged"})
+    rare_threshold: float = field(
+        default=0.5,
+        metadata={"help": "a row less similar than this to every other row is rare (protected)"},
+    )
+    projector: str | None = field(
+        default=None,
+        metadata={"help": "Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init."},
+    )
+    seed: int = field(default=0, metadata={"help": "of the SimHash hyperplanes"})
 
     def __post_init__(self) -> None:
         if self.sem_dim < 1 or self.hidden < 2 * self.sem_dim:
