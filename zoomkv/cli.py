@@ -39,29 +39,11 @@ def _parse_method_args(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _resolve_device(name: str | None) -> str:
-    import torch
-
-    if name and name != "auto":
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _dtype(name: str):
-    import torch
-
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise ZoomKVError(f"unknown dtype {name!r}; valid: {', '.join(table)}")
-    return table[name]
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from zoomkv.budget import Budget
     from zoomkv.generation import generate_text
     from zoomkv.methods import get_method
-    from zoomkv.models import load_model
+    from zoomkv.models import load_model, parse_dtype, resolve_device
 
     method_kwargs = _parse_method_args(args.method_arg)
     adapter = None
@@ -88,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
     if not prompt.strip():
         raise ZoomKVError("the prompt is empty")
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     if adapter is not None:
         adapter.attach(model)  # wrong base model → BaseModelMismatchError naming both (exit 2)
     result = generate_text(

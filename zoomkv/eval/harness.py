@@ -246,7 +246,7 @@ def _warm_up(model: Any, tokenizer: Any, runs: list[RunSpec]) -> None:
 def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
     """Run (or resume) the evaluation ``cfg`` describes; returns every row in ``cfg.out``."""
     from zoomkv.eval.report import write_outputs
-    from zoomkv.generation import model_max_length
+    from zoomkv.models import context_limit as model_max_length
 
     prep = prepare(cfg)
     if cfg.threads is not None:
@@ -254,8 +254,9 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             raise ZoomKVError(f"--threads must be at least 1, got {cfg.threads}")
         torch.set_num_threads(cfg.threads)
     if model is None:
-        from zoomkv.cli import _dtype, _resolve_device
         from zoomkv.models import load_model
+        from zoomkv.models import parse_dtype as _dtype
+        from zoomkv.models import resolve_device as _resolve_device
 
         model, tokenizer = load_model(cfg.model, dtype=_dtype(cfg.dtype), device=_resolve_device(cfg.device))
     model_max = model_max_length(model)
