@@ -13,6 +13,7 @@ import argparse
 import shlex
 from typing import Any
 
+from zoomkv.cli_args import parse_scoped_method_args
 from zoomkv.errors import ZoomKVError
 
 
@@ -34,22 +35,6 @@ def _floats(text: str | None, flag: str) -> list[float]:
         raise ZoomKVError(f"{flag} expects comma-separated numbers, got {text!r}") from None
 
 
-def parse_method_args(items: list[str] | None) -> dict[str, dict[str, Any]]:
-    """``method.key=value`` (repeatable, or comma-separated) → ``{method: {key: value}}``; values are YAML
-    scalars, so ``16`` is an int, ``0.5`` a float, ``true`` a bool."""
-    import yaml
-
-    out: dict[str, dict[str, Any]] = {}
-    for group in items or []:
-        for item in _split(group):
-            name, eq, value = item.partition("=")
-            method, dot, key = name.partition(".")
-            if not eq or not dot or not method.strip() or not key.strip():
-                raise ZoomKVError(f"--method-args expects method.key=value (e.g. snapkv.window=16), got {item!r}")
-            out.setdefault(method.strip(), {})[key.strip()] = yaml.safe_load(value)
-    return out
-
-
 def config_from_args(args: argparse.Namespace) -> Any:
     from zoomkv.eval.harness import EvalConfig
 
@@ -65,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         model=args.model, out=args.out, methods=_split(args.methods), budgets=_split(args.budgets), tasks=tasks,
         lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
         haystack_dir=args.haystack_dir, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
-        grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_method_args(args.method_args),
+        grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_scoped_method_args(args.method_args),
         adapters=[a for group in args.adapter or [] for a in _split(group)],
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
@@ -97,7 +82,7 @@ def list_tasks() -> None:
     print("--data [NAME=]FILE.jsonl   LongBench format, plain {prompt, answers, ...}, or GSM8K {question, answer}")
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.list_tasks:
         list_tasks()
         return 0
@@ -113,39 +98,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate methods × budgets × tasks: accuracy, bytes per tier, decode speed",
-                       description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="\n".join(__doc__.split("\n")[1:]))
-    p.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
-    p.add_argument("--methods", default="full", help="comma-separated; full is always included as the reference")
-    p.add_argument("--budgets", default="", help="comma-separated budgets: rows (512) or fractions (0.1)")
-    p.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
-    p.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
-    p.add_argument("--samples", type=int, default=4, help="samples per task and length (and grid cell)")
-    p.add_argument("--data", action="append", metavar="[NAME=]FILE.jsonl",
-                   help="a JSONL task file (LongBench, plain or GSM8K format; repeatable)")
-    p.add_argument("--data-format", default="auto", choices=["auto", "longbench", "plain", "gsm8k"])
-    p.add_argument("--haystack-dir", help="folder of your own text files for the essay haystack (else noise)")
-    p.add_argument("--grid-lengths", help="NIAH grid context lengths, comma-separated")
-    p.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
-    p.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",
-                   help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
-    p.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
-                   help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
-                        "(its own budget when none); repeatable")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts prefilled and decoded together")
-    p.add_argument("--seed", type=int, default=0, help="seed of the task generators")
-    p.add_argument("--chat", choices=["auto", "on", "off"], default="off",
-                   help="wrap prompts in the model's chat template (auto: when it has one); default off, "
-                        "as RULER prompts with an answer prefix")
-    p.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (fewer can be faster on a busy machine)")
-    p.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
-    p.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
-    p.set_defaults(func=cmd_eval)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    parser.add_argument("--methods", default="full", help="comma-separated; full is always included as the reference")
+    parser.add_argument("--budgets", default="", help="comma-separated budgets: rows (512) or fractions (0.1)")
+    parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
+    parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
+    parser.add_argument("--samples", type=int, default=4, help="samples per task and length (and grid cell)")
+    parser.add_argument("--data", action="append", metavar="[NAME=]FILE.jsonl",
+                        help="a JSONL task file (LongBench, plain or GSM8K format; repeatable)")
+    parser.add_argument("--data-format", default="auto", choices=["auto", "longbench", "plain", "gsm8k"])
+    parser.add_argument("--haystack-dir", help="folder of your own text files for the essay haystack (else noise)")
+    parser.add_argument("--grid-lengths", help="NIAH grid context lengths, comma-separated")
+    parser.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
+    parser.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",
+                        help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
+    parser.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
+                        help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
+                             "(its own budget when none); repeatable")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts prefilled and decoded together")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task generators")
+    parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",
+                        help="wrap prompts in the model's chat template (auto: when it has one); default off, "
+                             "as RULER prompts with an answer prefix")
+    parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (fewer can be faster on a busy machine)")
+    parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
+    parser.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
