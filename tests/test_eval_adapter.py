@@ -20,11 +20,6 @@ from zoomkv.generation import MethodRun, generate_methods
 from zoomkv.models import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
-
-
 @pytest.fixture
 def saved(tmp_path, tiny):
     adapter = ZoomAdapter.initialise(tiny[0], "sekv", {"max_trainable_fraction": 0.01}, budget=64, name="tiny-llama")
