@@ -14,3 +14,21 @@ def _one_thread_for_tiny_ops():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(request):
+    """A tiny random model and its tokenizer, loaded fresh for each test module (tests may change it).
+
+    tiny-llama, unless the module sets ``TINY_MODELS = [...]``: then every test that uses ``tiny`` runs once
+    per name (module-scoped, so each model loads once). ``TINY_DEVICE`` in the module puts it on a device.
+    """
+    from zoomkv.models import load_model
+
+    return load_model(getattr(request, "param", "tiny-llama"), device=getattr(request.module, "TINY_DEVICE", None))
+
+
+def pytest_generate_tests(metafunc):
+    names = getattr(metafunc.module, "TINY_MODELS", None)
+    if names and "tiny" in metafunc.fixturenames:
+        metafunc.parametrize("tiny", names, indirect=True, scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zoomkv.memory.layer import LayerMemory
@@ -68,3 +70,12 @@ def greedy(model, ids: torch.Tensor, mask: torch.Tensor, cache=None, new: int = 
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
                           **kwargs)
+
+
+@functools.cache
+def load_tiny(name: str = "tiny-llama"):
+    """A tiny random model and its tokenizer, loaded once per test session: for tests that only read it
+    (the ``tiny`` fixture in conftest.py loads a fresh one per module)."""
+    from zoomkv.models import load_model
+
+    return load_model(name)

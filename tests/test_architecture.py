@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"adapters"},
     {"train"},
     {"generation", "eval", "bench", "calibrate"},
-    {"commands", "cli", "demo", "__main__"},
+    {"commands", "cli", "cli_args", "demo", "__main__"},
 ]
 LAYER_OF = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 FACE = "__init__"
@@ -29,6 +29,8 @@ FACE = "__init__"
 
 def part_of(path: Path) -> str:
     rel = path.relative_to(PACKAGE)
+    if rel.name == "__main__.py":  # an entry point (python -m zoomkv.train) stands with the command line
+        return "__main__"
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 

@@ -25,6 +25,7 @@ from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext
 
 FAMILIES = ["tiny-llama", "tiny-gemma3"]
+TINY_MODELS = FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,11 @@ def profile_path(root, family: str):
     return root / "profiles" / family / "compresskv.json"
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, cache_root):
-    model, tok = load_model(request.param)
-    return model, tok, str(profile_path(cache_root, request.param))
+@pytest.fixture(scope="module")
+def profiled(tiny, cache_root):
+    """The `tiny` model (conftest.py, once per FAMILIES name), its tokenizer and its CompressKV profile."""
+    model, tok = tiny
+    return model, tok, str(profile_path(cache_root, model.zoomkv_name))
 
 
 # -- calibration ------------------------------------------------------------------------------------------------
@@ -201,8 +203,8 @@ def test_profile_found_by_the_model_name(cache_root, monkeypatch):
 
 
 # -- the runtime invariants (as test_method_invariants.py, with a profile) ---------------------------------------
-def test_large_budget_is_exactly_full(tiny):
-    model, _, path = tiny
+def test_large_budget_is_exactly_full(profiled):
+    model, _, path = profiled
     ids, mask = _batch(model.config.vocab_size)
     ref = _generate(model, ids, mask, ZoomCache(model, "full"))
     out = _generate(model, ids, mask, ZoomCache(model, "compresskv", 4096, profile=path))
@@ -210,8 +212,8 @@ def test_large_budget_is_exactly_full(tiny):
     assert max_logit_diff(out.scores, ref.scores) < 1e-4
 
 
-def test_small_budget_never_exceeded(tiny):
-    model, _, path = tiny
+def test_small_budget_never_exceeded(profiled):
+    model, _, path = profiled
     ids, mask = _batch(model.config.vocab_size, lengths=(90, 90))
     method = get_method("compresskv", profile=path)
     budget = max(method.min_budget(), 40)

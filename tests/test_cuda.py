@@ -25,10 +25,14 @@ BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and n
 RECALLABLE = sorted(n for n in BUDGETED if METHODS[n].recallable)
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
-def tiny(request):
-    model, _ = load_model(request.param, device=DEVICE)
-    return model
+TINY_MODELS = ["tiny-llama", "tiny-gemma3"]  # the `tiny` fixture (conftest.py), loaded on TINY_DEVICE
+TINY_DEVICE = DEVICE
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny):
+    """This file's tests take the model alone."""
+    return tiny[0]
 
 
 def _batch(model, lengths=(70, 52)):

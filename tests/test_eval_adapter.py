@@ -11,18 +11,13 @@ import torch
 from zoomkv.adapters.errors import AdapterNotFoundError, BaseModelMismatchError
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.cli import main
+from zoomkv.commands.eval import config_from_args
 from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
-from zoomkv.eval.cli import config_from_args
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.tasks import TaskBuilder
 from zoomkv.generation import MethodRun, generate_methods
 from zoomkv.models import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
 
 
 @pytest.fixture
@@ -99,13 +94,9 @@ def test_a_training_runs_adapter_folder_is_named_after_the_run(tmp_path, saved):
 
 
 def test_cli_takes_repeated_and_comma_separated_adapters(tmp_path, capsys):
-    import argparse
+    from zoomkv.cli import build_parser
 
-    from zoomkv.eval.cli import register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["eval", "--adapter", "a,b", "--adapter", "user/c", "--out", str(tmp_path)])
+    args = build_parser().parse_args(["eval", "--adapter", "a,b", "--adapter", "user/c", "--out", str(tmp_path)])
     assert config_from_args(args).adapters == ["a", "b", "user/c"]
     assert main(["eval", "--model", "tiny-llama", "--adapter", str(tmp_path / "none"), "--tasks", "niah_single_1",
                  "--length", "600", "--out", str(tmp_path / "o"), "--quiet"]) == 2

@@ -13,7 +13,6 @@ from zoomkv.errors import ZoomKVError
 from zoomkv.eval import harness
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.rows import row_key
-from zoomkv.models import load_model
 
 
 @pytest.fixture(autouse=True)
@@ -23,11 +22,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")
 
 
 def _rows(out):

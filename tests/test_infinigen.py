@@ -4,13 +4,11 @@ needs a profile (so test_method_invariants.py skips it), the runtime invariants 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from tests.helpers import greedy as _generate
-from tests.helpers import max_logit_diff
+from tests.helpers import load_tiny, max_logit_diff
 from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
 from zoomkv.cli import main as cli_main
@@ -21,13 +19,7 @@ from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods.infinigen import estimate_scores, fetch_count
 from zoomkv.methods.infinigen_profile import PROFILE_FILE, partial_channels, save_profile, skew_and_channels
-from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext
-
-
-@functools.cache
-def tiny(name: str):
-    return load_model(name)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +105,7 @@ def test_fetch_count_is_the_mean_over_heads_of_rows_within_alpha_of_the_best():
 # -- the profile -----------------------------------------------------------------------------------------------
 def test_without_a_profile_it_names_the_calibrate_command(tmp_path, monkeypatch):
     monkeypatch.setenv("ZOOMKV_CACHE", str(tmp_path))
-    model, _ = tiny("tiny-llama")
+    model, _ = load_tiny("tiny-llama")
     ids = torch.randint(5, 200, (1, 30))
     with pytest.raises(ZoomKVError, match="zoomkv calibrate infinigen --model tiny-llama"):
         model.generate(input_ids=ids, max_new_tokens=2, do_sample=False,
@@ -124,7 +116,7 @@ def test_without_a_profile_it_names_the_calibrate_command(tmp_path, monkeypatch)
 
 def test_profile_is_found_by_model_name_and_checked_against_the_model(tmp_path, monkeypatch, profiles):
     monkeypatch.setenv("ZOOMKV_CACHE", str(tmp_path))
-    model, _ = tiny("tiny-llama")
+    model, _ = load_tiny("tiny-llama")
     ids = torch.randint(5, 200, (1, 40))
     assert cli_main(["calibrate", "infinigen", "--model", "tiny-llama", "--tokens", "64"]) == 0
     assert (tmp_path / "profiles" / "tiny-llama" / PROFILE_FILE).is_file()
@@ -144,7 +136,7 @@ def test_profile_is_found_by_model_name_and_checked_against_the_model(tmp_path, 
 
 # -- layer behaviour -------------------------------------------------------------------------------------------
 def test_recalls_the_needle_rows_and_the_newest_within_the_budget(profiles):
-    model, _ = tiny("tiny-llama")
+    model, _ = load_tiny("tiny-llama")
     method = get_method("infinigen", profile=profiles["tiny-llama"])
     g = torch.Generator().manual_seed(4)
     b, h, n, d, budget = 2, 2, 120, 16, 24
@@ -185,7 +177,7 @@ def test_recalls_the_needle_rows_and_the_newest_within_the_budget(profiles):
 # -- runtime invariants (test_method_invariants.py skips needs_profile methods) ---------------------------------
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_large_budget_is_exactly_full(profiles, family):
-    model, _ = tiny(family)
+    model, _ = load_tiny(family)
     ids, mask = _batch(model.config.vocab_size)
     ref = _generate(model, ids, mask, ZoomCache(model, "full"))
     for overrides in ({}, {"dense_layers": 0}):
@@ -196,7 +188,7 @@ def test_large_budget_is_exactly_full(profiles, family):
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_small_budget_never_exceeded_with_and_without_the_tail_row(profiles, family):
-    model, _ = tiny(family)
+    model, _ = load_tiny(family)
     ids, mask = _batch(model.config.vocab_size, lengths=(90, 75))
     budget = 40
     for tail in (False, True):
@@ -247,7 +239,7 @@ def test_speculative_query_rebuilds_the_real_query_from_a_layers_input(family):
             self.checked.append((rebuilt - query).abs().max().item())
             return super().select(memory, query)
 
-    model, _ = tiny(family)
+    model, _ = load_tiny(family)
     ids, mask = _batch(model.config.vocab_size, lengths=(60, 48))
     probe = Probe()
     _generate(model, ids, mask, ZoomCache(model, probe, 32), new=4)
@@ -256,7 +248,7 @@ def test_speculative_query_rebuilds_the_real_query_from_a_layers_input(family):
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
 def test_previous_layer_speculation_is_the_default_and_differs_from_same_layer(profiles, family):
-    model, _ = tiny(family)
+    model, _ = load_tiny(family)
     ids, mask = _batch(model.config.vocab_size, lengths=(90, 75))
     picked = {}
     for mode in ("previous_layer", "same_layer"):

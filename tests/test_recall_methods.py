@@ -3,14 +3,13 @@ end-to-end runs through ``generate`` for what only the runtime exercises (dense 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_all_tensors_in_tiers, padded_batch
+from tests.helpers import assert_all_tensors_in_tiers, load_tiny, padded_batch
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
@@ -21,14 +20,9 @@ from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext, Selection
 
 
-@functools.cache
-def tiny_llama():
-    return load_model("tiny-llama")[0]
-
-
 def make_layer(method, budget: int, keys: torch.Tensor, layer_idx: int = 2) -> LayerMemory:
     """A LayerMemory owned by a real ZoomCache (tiny-llama: 4 layers), initialised for ``keys``' shape."""
-    memory = ZoomCache(tiny_llama(), method, budget).layers[layer_idx]
+    memory = ZoomCache(load_tiny()[0], method, budget).layers[layer_idx]
     memory.lazy_initialization(keys, keys)
     return memory
 
@@ -387,7 +381,7 @@ def _generate(model, ids, mask, cache, new: int):
 def test_large_budget_is_exactly_full_across_page_and_cluster_updates(name, overrides):
     """Every layer compressed, pages filling up and generated rows reclustered several times, one
     sequence shorter than the sinks: at a budget covering everything it is still exactly full attention."""
-    model = tiny_llama()
+    model = load_tiny()[0]
     ids, mask = _padded(model.config.vocab_size, (40, 6))
     ref = _generate(model, ids, mask, ZoomCache(model, "full"), new=14)
     cache = ZoomCache(model, name, 4096, **overrides)
@@ -419,7 +413,7 @@ def test_budget_exactly_the_context_is_exactly_full(name):
 
 @pytest.mark.parametrize("name", ["quest", "clusterkv"])
 def test_generate_reports_dense_layers_and_meets_a_strict_budget(name):
-    model = tiny_llama()
+    model = load_tiny()[0]
     ids, mask = _padded(model.config.vocab_size, (80, 64))
     cache = ZoomCache(model, name, 20)
     _generate(model, ids, mask, cache, new=6)

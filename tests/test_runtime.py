@@ -17,12 +17,7 @@ from zoomkv.models import load_model
 from zoomkv.protocol.method import Selection
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request):
-    model, tokenizer = load_model(request.param)
-    return model, tokenizer
+TINY_MODELS = FAMILIES  # the `tiny` fixture (conftest.py) runs each test on each
 
 
 def padded_batch(vocab: int, lengths=(40, 29), seed: int = 0):

@@ -3,13 +3,12 @@ and its projector; the runtime invariants run for it in test_method_invariants.p
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
-from tests.helpers import assert_all_tensors_in_tiers
+from tests.helpers import assert_all_tensors_in_tiers, load_tiny
 from zoomkv import ZoomCache
 from zoomkv.adapters.model import build_adapter_modules
 from zoomkv.compat import generate_cache_kwargs
@@ -19,7 +18,6 @@ from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
 from zoomkv.methods.semantic_id.merging import COMPRESSED, RAW, RECALLED, match_score
 from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
-from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext, Selection
 from zoomkv.protocol.shape import ModelShape
 
@@ -27,13 +25,8 @@ D = 8
 SCALE = D**-0.5
 
 
-@functools.cache
-def tiny_llama():
-    return load_model("tiny-llama")
-
-
 def make_layer(method, budget: int, keys: torch.Tensor, layer_idx: int = 2) -> LayerMemory:
-    memory = ZoomCache(tiny_llama()[0], method, budget).layers[layer_idx]
+    memory = ZoomCache(load_tiny()[0], method, budget).layers[layer_idx]
     memory.lazy_initialization(keys, keys)
     return memory
 
@@ -95,7 +88,7 @@ def test_projector_initialisation_is_exactly_pca_and_tiny():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert sum(p.numel() for p in a.parameters()) < 5000 < 0.0005 * 135e6
     # the adapter registry builds it from the model's shape alone
-    shape = ModelShape.from_config(tiny_llama()[0].config)
+    shape = ModelShape.from_config(load_tiny()[0].config)
     module = build_adapter_modules("semantic_id", shape, {"sem_dim": 4, "hidden": 8})
     assert isinstance(module, SemanticProjector) and module.in_dim == 2 * shape.head_dim
 
@@ -120,7 +113,7 @@ def test_projector_round_trips_through_safetensors(tmp_path):
 def test_projector_travels_as_a_zoomkv_adapter(tmp_path):
     from zoomkv.adapters.model import ZoomAdapter
 
-    adapter = ZoomAdapter.initialise(tiny_llama()[0], "semantic_id", {"sem_dim": 8, "hidden": 16})
+    adapter = ZoomAdapter.initialise(load_tiny()[0], "semantic_id", {"sem_dim": 8, "hidden": 16})
     assert isinstance(adapter.make_method()._projector, SemanticProjector)  # through attach_adapter
     adapter.save_pretrained(tmp_path / "adapter")
     method = ZoomAdapter.from_pretrained(tmp_path / "adapter").make_method(sem_dim=8, hidden=16)
@@ -244,7 +237,7 @@ def protected_case():
     values[0, 0, 30, -1] = 1.0
     keys[0, 0, 40] = keys[0, 0, 20]
     values[0, 0, 40] = values[0, 0, 20]
-    tok = tiny_llama()[1]
+    tok = load_tiny()[1]
     ids = torch.tensor([tok.convert_tokens_to_ids("a")] * t)[None]
     ids[0, 40] = tok.convert_tokens_to_ids("7")
     return g, keys, values, ids, tok
@@ -321,11 +314,11 @@ def test_min_budget_and_bad_settings():
         with pytest.raises(ConfigError):
             get_method("semantic_id", **bad)
     with pytest.raises(BudgetError):
-        ZoomCache(tiny_llama()[0], "semantic_id", 17)
+        ZoomCache(load_tiny()[0], "semantic_id", 17)
 
 
 def test_generate_compresses_recalls_and_stays_within_budget():
-    model, tok = tiny_llama()
+    model, tok = load_tiny()
     text = "The pass key is 40213. Remember it. " + "The grass is green. The sky is blue. " * 6
     enc = tok([text, text[30:]], return_tensors="pt", padding=True, add_special_tokens=False)
     cache = ZoomCache(model, "semantic_id", 48, tokenizer=tok)

@@ -4,12 +4,12 @@ a run through ``generate`` with real token ids (the generic invariants cover the
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
+from tests.helpers import load_tiny
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
@@ -24,19 +24,13 @@ from zoomkv.methods.semanticache import (
     merge_clusters,
     proportional_bias,
 )
-from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext, Selection
 
 COMMA, DOT = 3 + ord(","), 3 + ord(".")
 
 
-@functools.cache
-def tiny():
-    return load_model("tiny-llama")
-
-
 def make_layer(method, budget: int, keys: torch.Tensor, layer_idx: int = 2) -> LayerMemory:
-    memory = ZoomCache(tiny()[0], method, budget).layers[layer_idx]
+    memory = ZoomCache(load_tiny()[0], method, budget).layers[layer_idx]
     memory.lazy_initialization(keys, keys)
     return memory
 
@@ -255,7 +249,7 @@ def test_padding_is_never_kept_or_attended_and_its_slots_are_reused_first():
 
 
 def test_token_chunks_through_generate_are_exact_at_large_budget_and_bounded_at_small():
-    model, tok = tiny()
+    model, tok = load_tiny()
     prompts = ["The grass is green, the sky is blue; the sun is yellow. Here we go, there and back. " * 2,
                "Pack my box, with five dozen jugs."]
     enc = tok(prompts, return_tensors="pt", padding=True)

@@ -4,31 +4,23 @@ with real token ids (the generic invariants in test_method_invariants.py cover t
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from tests.helpers import assert_all_tensors_in_tiers
+from tests.helpers import assert_all_tensors_in_tiers, load_tiny
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import get_method
 from zoomkv.methods._segments import CLAUSE_MARKS, boundary_token_ids, segment_ids
-from zoomkv.models import load_model
 from zoomkv.protocol.method import PrefillContext, Selection
 
 DOT, NL = 3 + ord("."), 3 + ord("\n")  # the tiny byte tokenizer: byte b is id 3 + b
 
 
-@functools.cache
-def tiny():
-    return load_model("tiny-llama")
-
-
 def make_layer(method, budget: int, keys: torch.Tensor, layer_idx: int = 2) -> LayerMemory:
-    memory = ZoomCache(tiny()[0], method, budget).layers[layer_idx]
+    memory = ZoomCache(load_tiny()[0], method, budget).layers[layer_idx]
     memory.lazy_initialization(keys, keys)
     return memory
 
@@ -68,7 +60,7 @@ def sentences_along_axes(lengths: list[int], d: int = 16, seed: int = 0):
 
 # -- boundaries ------------------------------------------------------------------------------------------------
 def test_boundary_ids_come_from_the_tokenizer_vocabulary():
-    _, tok = tiny()
+    _, tok = load_tiny()
     assert boundary_token_ids(tok) == tuple(sorted(3 + ord(c) for c in ".!?\n"))
     clause = boundary_token_ids(tok, CLAUSE_MARKS)
     assert all(3 + ord(c) in clause for c in ".,;:!?\n") and 3 + ord("a") not in clause
@@ -242,7 +234,7 @@ def _record_step_ids(model, cache):
 
 
 def test_token_boundaries_through_generate_are_exact_at_large_budget_and_bounded_at_small():
-    model, tok = tiny()
+    model, tok = load_tiny()
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     ref = _generate(model, enc, ZoomCache(model, "full"), 12)
     big = ZoomCache(model, "sentencekv", 4096, tokenizer=tok)

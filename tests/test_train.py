@@ -12,14 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from zoomkv.cli import run_command
 from zoomkv.errors import ConfigError
-from zoomkv.train.cli import main
 from zoomkv.train.config import load_recipe
 from zoomkv.train.loop import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"
 SHIPPED = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m zoomkv.train ARGV``, in this process."""
+    return run_command("train", argv, prog="python -m zoomkv.train")
 
 
 @pytest.mark.parametrize("recipe", [p for p in SHIPPED if "accelerate" not in p.parts], ids=lambda p: p.name)

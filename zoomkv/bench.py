@@ -29,9 +29,8 @@ def _progress(t0: float, message: str) -> None:
 
 def run_bench(args: Any) -> list[dict[str, Any]]:
     from zoomkv.budget import Budget
-    from zoomkv.cli import _dtype, _resolve_device
     from zoomkv.methods import get_method
-    from zoomkv.models import load_model
+    from zoomkv.models import load_model, parse_dtype, resolve_device
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
@@ -44,7 +43,7 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     random_weights = bool(getattr(args, "random_weights", False))
     _progress(t0, f"loading {args.model}" + (" (random weights)" if random_weights else ""))
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device),
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device),
                                   random_weights=random_weights)
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     prompt = passkey_prompt(tokenizer, args.length, depth=0.5, seed=0)

@@ -17,6 +17,7 @@ from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import PromptError
 from zoomkv.memory import MemoryReport, ZoomCache
+from zoomkv.models import context_limit
 
 if TYPE_CHECKING:
     from zoomkv.protocol.method import KVMethod
@@ -51,10 +52,6 @@ class _StepClock(LogitsProcessor):
             torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
-
-
-def model_max_length(model: Any) -> int:
-    return int(getattr(compat.text_config(model.config), "max_position_embeddings", 2**31 - 1))
 
 
 def format_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> str:
@@ -106,7 +103,7 @@ def generate_text(
         prompts = [prompts]
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    max_len = model_max_length(model)
+    max_len = context_limit(model)
     budget = Budget.parse(budget, max_rows=max_len)
     texts = [format_prompt(tokenizer, p, chat) for p in prompts]
     inputs = encode_prompts(
@@ -188,7 +185,7 @@ def generate_methods(
         prompts = [prompts]
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    max_len = model_max_length(model)
+    max_len = context_limit(model)
     for run in runs:
         Budget.parse(run.budget, max_rows=max_len)
     texts = [format_prompt(tokenizer, p, chat) for p in prompts]

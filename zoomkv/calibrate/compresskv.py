@@ -57,13 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zoomkv.cli import _dtype, _resolve_device
     from zoomkv.methods.compresskv import default_profile_path
-    from zoomkv.models import load_model
+    from zoomkv.models import load_model, parse_dtype, resolve_device
 
     if args.samples < 1 or args.length < 16 or args.top_heads < 1 or args.error_budget <= args.window:
         raise ZoomKVError("need --samples ≥ 1, --length ≥ 16, --top-heads ≥ 1 and --error-budget > --window")
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     profile = calibrate(
         model, tokenizer, model_name=args.model, samples=args.samples, length=args.length,
         top_heads=args.top_heads, error_budget=args.error_budget, window=args.window,

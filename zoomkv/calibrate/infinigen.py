@@ -77,8 +77,7 @@ def build_profile(model: Any, input_ids: torch.Tensor, model_name: str, partial_
 
 
 def run(args: argparse.Namespace) -> int:
-    from zoomkv.cli import _dtype, _resolve_device
-    from zoomkv.models import load_model
+    from zoomkv.models import load_model, parse_dtype, resolve_device
 
     if args.tokens < 16:
         raise ZoomKVError(f"--tokens must be at least 16, got {args.tokens}")
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = default_text()
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=_resolve_device(args.device))
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     ids = calibration_ids(tokenizer, text, args.tokens).to(model.device)
     if ids.shape[1] < args.tokens:
         print(f"note: the calibration text has only {ids.shape[1]} tokens")

@@ -246,7 +246,7 @@ def _warm_up(model: Any, tokenizer: Any, runs: list[RunSpec]) -> None:
 def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
     """Run (or resume) the evaluation ``cfg`` describes; returns every row in ``cfg.out``."""
     from zoomkv.eval.report import write_outputs
-    from zoomkv.generation import model_max_length
+    from zoomkv.models import context_limit
 
     prep = prepare(cfg)
     if cfg.threads is not None:
@@ -254,11 +254,11 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             raise ZoomKVError(f"--threads must be at least 1, got {cfg.threads}")
         torch.set_num_threads(cfg.threads)
     if model is None:
-        from zoomkv.cli import _dtype, _resolve_device
         from zoomkv.models import load_model
+        from zoomkv.models import parse_dtype, resolve_device
 
-        model, tokenizer = load_model(cfg.model, dtype=_dtype(cfg.dtype), device=_resolve_device(cfg.device))
-    model_max = model_max_length(model)
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
+    model_max = context_limit(model)
     check_lengths(cfg, model_max, cfg.model)
     for run in prep.runs:
         Budget.parse(run.budget, max_rows=model_max)

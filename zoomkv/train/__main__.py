@@ -1,7 +1,8 @@
-"""``python -m zoomkv.train --recipe recipes/...yaml [key=value ...]`` (also under ``accelerate launch -m``)."""
+"""``python -m zoomkv.train --recipe recipes/...yaml [key=value ...]`` (also under ``accelerate launch -m``):
+the ``zoomkv train`` subcommand as a program of its own."""
 
 import sys
 
-from zoomkv.train.cli import main
+from zoomkv.cli import run_command
 
-sys.exit(main())
+sys.exit(run_command("train", prog="python -m zoomkv.train"))

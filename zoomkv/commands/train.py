@@ -8,9 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-from zoomkv.errors import ZoomKVError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,21 +38,3 @@ def run(args: argparse.Namespace) -> int:
 
     train(cfg)
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("train", help="train a method's adapter from a recipe (sekv, semantic_id)")
-    add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zoomkv.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ZoomKVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2

@@ -1,0 +1,29 @@
+"""Time prefill and decode of methods against full, interleaved, in one process.
+
+    zoomkv bench --model smollm2-135m --length 4096 --methods full,oracle_topk --budgets 256
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", default="full,oracle_topk", help="comma-separated; full is always included")
+    parser.add_argument("--budgets", default="256", help="comma-separated budgets (rows or fractions)")
+    parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build --model (a local folder with config.json + tokenizer) with random weights: timing only")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from zoomkv.bench import run_bench
+
+    run_bench(args)
+    return 0

