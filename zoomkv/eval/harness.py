@@ -254,8 +254,7 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             raise ZoomKVError(f"--threads must be at least 1, got {cfg.threads}")
         torch.set_num_threads(cfg.threads)
     if model is None:
-        from zoomkv.models import load_model
-        from zoomkv.models import parse_dtype, resolve_device
+        from zoomkv.models import load_model, parse_dtype, resolve_device
 
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
     model_max = context_limit(model)
