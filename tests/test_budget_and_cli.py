@@ -110,3 +110,18 @@ def test_impossible_settings(capsys):
     err = _err(capsys, ["generate", "--model", "tiny-llama", "--method", "clusterkv", "--budget", "64",
                         "--method-arg", "cluster_size=0", "--prompt", "hi"])
     assert "cluster_size" in err
+
+
+def test_methods_name_prints_every_hyper_parameter_with_its_help(capsys):
+    import dataclasses
+
+    from zoomkv.methods import METHODS
+
+    for name, cls in METHODS.items():  # every config field says what it does
+        for f in dataclasses.fields(cls.config_class):
+            assert f.metadata.get("help"), f"{name}.{f.name} has no help text"
+    assert main(["methods", "quest"]) == 0
+    out = capsys.readouterr().out
+    assert "page_size=16" in out and "rows per page" in out and "Tang et al." in out
+    assert main(["methods", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err

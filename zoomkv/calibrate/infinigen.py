@@ -2,7 +2,7 @@
 
 Runs the model once over calibration text (2048 tokens, as the authors do with one PG-19 book), records
 every full-attention layer's post-RoPE queries and keys, and writes per layer and KV head the orthogonal
-skew and the top 20% skewed channels (``zoomkv.methods._infinigen``) to
+skew and the top 20% skewed channels (``zoomkv.methods.infinigen_profile``) to
 ``profile_dir(M)/infinigen.safetensors`` — a few KB per layer.
 
 The default text is Python's own help topics (``pydoc_data``, shipped with every CPython): plain English

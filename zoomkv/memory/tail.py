@@ -1,8 +1,8 @@
 """The softmax tail: one extra row per KV head standing for every row a step did not select.
 
 Its key and value are the mean of the unselected rows, and its logit gets ``+log(count)``, so in the
-softmax it weighs about what those rows weighed together (exactly, when they share one key). DESIGN.md's
-measured fact: on SmolLM2-135M at ~4K tokens, exact top-256 alone loses about one passkey answer in
+softmax it weighs about what those rows weighed together (exactly, when they share one key). Measured
+(BENCHMARKS.md): on SmolLM2-135M at ~4K tokens, exact top-256 alone loses about one passkey answer in
 eight, and adding this row loses none. An option (``ZoomCache(..., tail_summary=True)``) for every
 recallable method: the runtime keeps running sums of all real rows on the device tier (two rows and a
 count per KV head), so the mean of the rest is ``(sum - selected) / (count - selected)`` at O(k) a step.

@@ -2,7 +2,7 @@
 
 Offline (``zoomkv calibrate infinigen --model M``): per layer and KV head, an orthogonal skew ``A`` (the
 right singular vectors of the layer's post-RoPE queries on calibration text) and the 20% of skewed
-channels that carry most of ``q·k`` (see ``zoomkv.methods._infinigen``).
+channels that carry most of ``q·k`` (see ``zoomkv.methods.infinigen_profile``).
 
 Prefill: every row goes to the host tier; the device tier keeps the *partial skewed keys*, ``(k A)[:, C]``
 for the chosen channels C (20% of a key's bytes, counted in bytes, not rows), plus ``A[:, C]``.

@@ -1,6 +1,6 @@
 """``semantic_id``: merge near-duplicate tokens into one representative row, recall their originals on demand.
 
-Per KV head, each token's K‖V goes through a small projector (``zoomkv.adapters.semantic_projector``) to
+Per KV head, each token's K‖V goes through a small projector (``zoomkv.methods.semantic_id.projector``) to
 a semantic vector, hashed into a semantic ID (SimHash: the signs of ``id_bits`` fixed random projections).
 Tokens whose IDs match and whose keys and values are similar (cosine ≥ 0.85 for K, the stricter 0.95 for
 V) merge into one representative row: the mean key and mean value of the members, whose logit gets
@@ -177,7 +177,7 @@ class _Items:
 class SemanticID(KVMethod):
     name = "semantic_id"
     config_class = SemanticIDConfig
-    citation = "zoomkv seed system: semantic-ID merging with recallable originals (see DESIGN.md)"
+    citation = "zoomkv seed system: semantic-ID merging with recallable originals (zoomkv)"
     summary = "merge near-duplicate K‖V (SimHash ID + cosine) into log-n rows; recall a group's originals when its members disagree"
     recallable = True
 
