@@ -1,4 +1,5 @@
-"""Invariants every registered method must keep (run automatically for each method in the registry):
+"""Invariants every registered method must keep (run automatically for each method in the registry, with
+what it needs from tests/method_matrix.py — e.g. a calibration profile):
 
 - with a budget covering the whole context it is exactly ``full`` (greedy tokens equal, logits within 1e-4);
 - with a small budget the device tier never holds more rows per KV head than the layer's budget, at any
@@ -13,31 +14,45 @@ import torch
 from tests.helpers import greedy as _generate
 from tests.helpers import max_logit_diff
 from tests.helpers import padded_batch as _batch
+from tests.method_matrix import PROFILE_BUILDERS, method_kwargs
 from zoomkv import ZoomCache
 from zoomkv.memory import LayerMemory
 from zoomkv.methods import METHODS, get_method
 
-# Methods whose prefill needs an offline calibration profile or a trained adapter are tested in their own files.
-NEEDS_PROFILE = {name for name, cls in METHODS.items() if getattr(cls, "needs_profile", False)}
-BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and name not in NEEDS_PROFILE)
+BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return tmp_path_factory.mktemp("method-matrix")
+
+
+def make(name: str, model, folder):
+    return get_method(name, **method_kwargs(name, model, folder))
+
+
+def test_every_method_needing_a_profile_has_a_builder():
+    assert {n for n, c in METHODS.items() if c.needs_profile} <= set(PROFILE_BUILDERS)
+
+
 TINY_MODELS = ["tiny-llama", "tiny-gemma3"]  # the `tiny` fixture (conftest.py) runs each test on both
 
 
 @pytest.mark.parametrize("name", BUDGETED)
-def test_large_budget_is_exactly_full(tiny, name):
+def test_large_budget_is_exactly_full(tiny, name, fixtures):
     model, _ = tiny
     ids, mask = _batch(model.config.vocab_size)
     ref = _generate(model, ids, mask, ZoomCache(model, "full"))
-    out = _generate(model, ids, mask, ZoomCache(model, name, 4096))
+    out = _generate(model, ids, mask, ZoomCache(model, make(name, model, fixtures), 4096))
     assert torch.equal(out.sequences, ref.sequences), name
     assert max_logit_diff(out.scores, ref.scores) < 1e-4, name
 
 
 @pytest.mark.parametrize("name", BUDGETED)
-def test_small_budget_never_exceeded(tiny, name):
+def test_small_budget_never_exceeded(tiny, name, fixtures):
     model, _ = tiny
     ids, mask = _batch(model.config.vocab_size, lengths=(90, 90))
-    method = get_method(name)
+    method = make(name, model, fixtures)
     budget = max(method.min_budget(), 40)
     cache = ZoomCache(model, method, budget)
     inner = method.select
@@ -69,13 +84,13 @@ RECALLABLE = sorted(n for n in BUDGETED if METHODS[n].recallable)
 
 
 @pytest.mark.parametrize("name", RECALLABLE)
-def test_tail_summary_keeps_the_invariants(tiny, name):
+def test_tail_summary_keeps_the_invariants(tiny, name, fixtures):
     model, _ = tiny
     ids, mask = _batch(model.config.vocab_size)
     ref = _generate(model, ids, mask, ZoomCache(model, "full"))
-    out = _generate(model, ids, mask, ZoomCache(model, name, 4096, tail_summary=True))
+    out = _generate(model, ids, mask, ZoomCache(model, make(name, model, fixtures), 4096, tail_summary=True))
     assert torch.equal(out.sequences, ref.sequences), name
-    method = get_method(name)
+    method = make(name, model, fixtures)
     budget = max(method.min_budget() + 1, 40)
     cache = ZoomCache(model, method, budget, tail_summary=True)
     _generate(model, ids, mask, cache, new=16)  # the runtime raises if any step holds more than B rows
