@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from zoomkv.adapters.errors import AdapterExistsError
+from zoomkv.atomic import replace_folder
 
 INCOMPLETE_MARKER = ".zoomkv-incomplete"
 _STAGING_TAG = ".partial-"
@@ -74,27 +75,17 @@ def write_folder_atomically(out: str | Path, files: Mapping[str, bytes], *, over
     if out.exists() and not overwrite and not is_incomplete(out):
         raise AdapterExistsError(f"{out} already exists (pass --overwrite to replace it)")
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING_TAG}{os.getpid()}-", dir=parent))
-    old: Path | None = None
     try:
         _write_file(staging / INCOMPLETE_MARKER, b"export in progress\n")
         for name, data in files.items():
             _write_file(staging / name, data)
         _fsync_dir(staging)
-        if out.exists():
-            # Move the previous folder aside first: rename(2) cannot replace a non-empty directory.
-            old = parent / f".{out.name}{_OLD_TAG}{os.getpid()}-{os.urandom(4).hex()}"
-            os.replace(out, old)
-        os.replace(staging, out)
+        # A failed overwrite changes nothing: the previous adapter is put back.
+        replace_folder(staging, out, parent / f".{out.name}{_OLD_TAG}{os.getpid()}-{os.urandom(4).hex()}")
         _fsync_dir(parent)
         (out / INCOMPLETE_MARKER).unlink()
         _fsync_dir(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old, out)  # put the previous adapter back: a failed overwrite changes nothing
-            old = None
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from zoomkv.atomic import replace_folder
 from zoomkv.errors import ModelNotFoundError, ZoomKVError
 from zoomkv.models.registry import ModelSpec
 from zoomkv.models.tokenizer import ensure_pad_token
@@ -234,11 +235,8 @@ def _install_atomically(staged: Path, target: Path, fingerprint: dict[str, Any])
         pass
     if _cache_is_complete(target, fingerprint):
         return  # another process finished the same conversion first; ours is discarded with staging
-    # A stale or incomplete folder is in the way: rename it aside first (atomic), then delete it.
-    trash = target.with_name(f".{target.name}.staging-old-{os.getpid()}-{time.time_ns()}")
-    os.replace(target, trash)
-    os.replace(staged, target)
-    shutil.rmtree(trash, ignore_errors=True)
+    # A stale or incomplete folder is in the way: it goes aside (atomic), then away.
+    replace_folder(staged, target, target.with_name(f".{target.name}.staging-old-{os.getpid()}-{time.time_ns()}"))
 
 
 def _build_cache(name: str, fingerprint: dict[str, Any], convert: Callable[[Path, Path], None]) -> Path:

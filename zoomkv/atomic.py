@@ -1,0 +1,28 @@
+"""Folders written all or nothing: finished in a staging folder next to the target, then put in place
+with renames only. The model cache (``models/gguf.py``) and adapter folders (``adapters/files.py``) both
+install through ``replace_folder``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def replace_folder(staged: Path, target: Path, aside: Path) -> None:
+    """Put the finished folder ``staged`` at ``target`` so a reader sees the old folder, nothing, or the new
+    one, never a partial one. An existing ``target`` is first renamed to ``aside`` (rename(2) cannot replace
+    a non-empty folder) and deleted once the new one is in place; if the new one cannot be put in place,
+    the old one is put back."""
+    moved = False
+    if target.exists():
+        os.replace(target, aside)
+        moved = True
+    try:
+        os.replace(staged, target)
+    except BaseException:
+        if moved and not target.exists():
+            os.replace(aside, target)
+        raise
+    if moved:
+        shutil.rmtree(aside, ignore_errors=True)
