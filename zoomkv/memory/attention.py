@@ -6,7 +6,10 @@ marks which layer is being run, and this function, called right after by the att
 - prefill: exact attention over the prompt (transformers' sdpa), then hands the layer's post-RoPE keys,
   values and queries to ``method.compress``;
 - decode: ``method.append`` the new row, ``method.select(query)``, and one softmax over the chosen rows
-  with their per-row logit bias.
+  with their per-row logit bias;
+- more input after compression (a follow-up question, the next chat turn, the next chunk of a long
+  prompt): ``method.select`` for the new queries over what the layer holds, one softmax over those rows
+  and the new tokens' own causal rows, then ``method.extend`` stores the new rows by the method's rule.
 
 Anything that is not a ``ZoomCache`` full-attention layer (sliding-window layers, plain generate without a
 ZoomCache, training forwards) goes straight to sdpa, untouched.
@@ -67,6 +70,27 @@ def attend(query: torch.Tensor, sel: Selection, scaling: float) -> torch.Tensor:
     return out.reshape(b, hq, q_len, -1).transpose(1, 2)
 
 
+def attend_extension(query: torch.Tensor, sel: Selection, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """New queries ``[b, hq, n, d]`` over the selected stored rows (all earlier than them) and their own rows
+    ``key``/``value`` ``[b, kv, n, d]`` causally, in one softmax. Returns ``[b, n, hq, dv]``."""
+    b, hq, n, d = query.shape
+    kv_heads = key.shape[1]
+    groups = hq // kv_heads
+    grouped = query.reshape(b, kv_heads, groups * n, d)  # row r is query position r % n of its group
+    stored = sel.keys.shape[2]
+    keys = torch.cat([sel.keys, key.to(sel.keys.dtype)], dim=2)
+    values = torch.cat([sel.values, value.to(sel.values.dtype)], dim=2)
+    mask = torch.zeros(b, kv_heads, groups * n, stored + n, dtype=query.dtype, device=query.device)
+    if sel.bias is not None:
+        mask[..., :stored] = sel.bias.to(query.dtype)[:, :, None, :]
+    pos = torch.arange(groups * n, device=query.device) % n
+    later = torch.arange(n, device=query.device)[None, :] > pos[:, None]  # [g*n, n]: the chunk's future rows
+    mask[..., stored:] = mask[..., stored:].masked_fill(later, float("-inf"))
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, n, -1).transpose(1, 2)
+
+
 def zoomkv_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -89,6 +113,7 @@ def zoomkv_attention_forward(
 
     if not memory.compressed:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+        _note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
         length = key.shape[2]
         budget = cache.resolve_budget(length)
         ctx = PrefillContext(
@@ -123,11 +148,8 @@ def zoomkv_attention_forward(
             "hook firing; attach the model with zoomkv.attach(model) (ZoomCache(model, ...) does) and run a "
             "decoder with a `norm` module"
         )
-    if query.shape[2] != 1:
-        raise ZoomKVError(
-            "a ZoomCache takes one prefill and then one token per step; to process new multi-token input, "
-            "start from a fresh ZoomCache"
-        )
+    if query.shape[2] > 1:
+        return extend_layer(module, cache, memory, query, key, value, attention_mask, scale, **kwargs), None
     method.append(memory, key, value)
     if cache.tail_summary:
         append_tail(memory, key, value)
@@ -139,6 +161,38 @@ def zoomkv_attention_forward(
         out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0, scaling=scale, **kwargs)
         return out, None
     return attend(query, sel, scale), None
+
+
+def extend_layer(module: torch.nn.Module, cache: Any, memory: Any, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, **kwargs: Any) -> torch.Tensor:
+    """Several new tokens on a compressed layer: they attend to what the method selects for them plus their
+    own causal rows; then the method stores their rows (``extend``) and the budget is checked again."""
+    method = cache.method
+    sel = method.select(memory, query)
+    _check_budget(cache, memory, cache.budget_rows)
+    # The new rows sit on the device tier next to the layer's own while they are attended.
+    _note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
+    if cache.tail_summary:
+        sel = with_tail(memory, sel)
+    if sel.use_model_mask:  # every stored row, in order: the model's own mask applies to them and the new ones
+        keys = torch.cat([sel.keys, key.to(sel.keys.dtype)], dim=2)
+        values = torch.cat([sel.values, value.to(sel.values.dtype)], dim=2)
+        out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scale,
+                                        **kwargs)
+    else:
+        out = attend_extension(query, sel, key, value, scale)
+    method.extend(memory, key, value)
+    if cache.tail_summary:
+        append_tail(memory, key, value)
+    _check_budget(cache, memory, cache.budget_rows)
+    return out
+
+
+def _note_peak(memory: Any, transient_bytes: int, transient_rows: int) -> None:
+    """The layer's device-tier high-water mark: what it holds plus KV rows attended exactly in passing (the
+    prompt at a one-shot prefill, a chunk or a turn while it goes through)."""
+    memory.peak_device_bytes = max(memory.peak_device_bytes, memory.device_bytes + transient_bytes)
+    memory.peak_device_rows = max(memory.peak_device_rows, memory.cache.method.device_rows(memory) + transient_rows)
 
 
 def finish_prefill(cache: Any, surprisal: torch.Tensor) -> None:
@@ -164,6 +218,7 @@ def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
     rows = cache.method.device_rows(memory) + (1 if cache.tail_summary else 0)
     memory.max_device_rows = max(memory.max_device_rows, rows)
+    _note_peak(memory, 0, 0)
     method, n = cache.method, cache.num_layers_total
     if not method.uses_budget or budget is None or method.dense_layer(memory.layer_idx, n):
         return

@@ -38,6 +38,8 @@ class LayerReport:
     host_bytes: int
     full_kv_bytes: int
     max_device_rows: int  # per KV head, over all decode steps so far (zoom layers)
+    peak_device_bytes: int = 0  # high-water mark, KV attended in passing included (the prompt, a chunk, a turn)
+    peak_device_rows: int = 0  # the same in rows per KV head (zoom layers)
 
 
 @dataclass
@@ -59,8 +61,20 @@ class MemoryReport:
     def full_kv_bytes(self) -> int:
         return sum(r.full_kv_bytes for r in self.layers)
 
+    @property
+    def peak_device_bytes(self) -> int:
+        """Sum of the layers' device-tier high-water marks: an upper bound of the KV bytes the device held at
+        once (layers peak one after another while a prompt goes through)."""
+        return sum(r.peak_device_bytes for r in self.layers)
+
+    @property
+    def peak_device_rows(self) -> int:
+        """The most device rows per KV head any layer held at any moment, rows attended in passing included."""
+        return max((r.peak_device_rows for r in self.layers), default=0)
+
     def totals(self) -> dict[str, int]:
-        return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "full_kv_bytes": self.full_kv_bytes}
+        return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "full_kv_bytes": self.full_kv_bytes,
+                "peak_device_bytes": self.peak_device_bytes, "peak_device_rows": self.peak_device_rows}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +92,8 @@ class MemoryReport:
             f"  device tier {_mib(self.device_bytes):>10}  ({self.device_bytes / full:6.1%} of full KV)",
             f"  host tier   {_mib(self.host_bytes):>10}  ({self.host_bytes / full:6.1%} of full KV)",
             f"  full KV     {_mib(self.full_kv_bytes):>10}",
+            f"  device peak {_mib(self.peak_device_bytes):>10}  ({self.peak_device_bytes / full:6.1%} of full KV; "
+            f"{self.peak_device_rows} rows per KV head at most, rows attended in passing included)",
         ]
         return "\n".join(lines)
 
@@ -98,6 +114,7 @@ class ZoomCache(Cache):
         kv_quant_tiers: str = "host",
         kv_quant_group: int = 32,
         tail_summary: bool = False,
+        prefill_chunk: int | None = None,
         **method_kwargs: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
@@ -125,6 +142,11 @@ class ZoomCache(Cache):
                 "tier (kv_quant_tiers='host'), or use a method that supports device-tier quantization (full)"
             )
         self.tokenizer = tokenizer
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ConfigError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        # Longer inputs go through in pieces of this many tokens, compressed as they go (see _prefill_in_chunks).
+        self.prefill_chunk = prefill_chunk
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
         self.step_ids: torch.Tensor | None = None  # ids of the forward in progress: the prompt, then each token
         self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress
@@ -173,13 +195,14 @@ class ZoomCache(Cache):
             if isinstance(layer, LayerMemory):
                 kind = "dense" if self.method.dense_layer(i, self.num_layers_total) else "zoom"
                 report.layers.append(
-                    LayerReport(i, kind, layer.device_bytes, layer.host_bytes, layer.full_kv_bytes, layer.max_device_rows)
+                    LayerReport(i, kind, layer.device_bytes, layer.host_bytes, layer.full_kv_bytes, layer.max_device_rows,
+                                max(layer.peak_device_bytes, layer.device_bytes), layer.peak_device_rows)
                 )
             else:
                 held = 0
                 if getattr(layer, "is_initialized", False) and layer.keys is not None:
                     held = layer.keys.nbytes + layer.values.nbytes
-                report.layers.append(LayerReport(i, "sliding", held, 0, held, 0))
+                report.layers.append(LayerReport(i, "sliding", held, 0, held, 0, held, 0))
         return report
 
     @property
@@ -217,15 +240,74 @@ def _capture_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict[
 _running = threading.local()  # the ZoomCache of the forward pass in progress
 
 
-def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+def _capture_prompt_ids(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     cache = next((kwargs.get(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
     _running.cache = cache if isinstance(cache, ZoomCache) else None
     if not isinstance(cache, ZoomCache):
-        return
+        return None
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    chunk = cache.prefill_chunk
+    if chunk and ids is not None and ids.shape[1] > chunk and not getattr(_running, "chunking", False):
+        split = _prefill_in_chunks(module, cache, args, kwargs, ids, chunk)
+        if split is not None:
+            return split
     cache.step_ids = ids
     if cache.get_seq_length() == 0:
         cache.prompt_ids = ids
+    return None
+
+
+def _prefill_in_chunks(model: torch.nn.Module, cache: ZoomCache, args: tuple, kwargs: dict[str, Any],
+                       ids: torch.Tensor, chunk: int) -> tuple[tuple, dict[str, Any]] | None:
+    """Run all but the last ``chunk``-sized piece of a long input through the model first, one piece per
+    forward (the first is the prefill the method compresses, each next one extends the compressed cache),
+    and hand the model's own forward only the last piece: the device tier then never holds more than the
+    budget plus one piece per layer. With ``full`` the result equals the one-shot prefill."""
+    total = ids.shape[1]
+    if cache.get_seq_length() == 0:
+        cache.resolve_budget(total)  # a fractional budget is of the whole prompt, not of its first piece
+    mask, pos, cpos = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("cache_position")
+    if mask is not None and mask.dim() != 2:
+        raise ZoomKVError("chunked prefill needs a 2D attention mask (batch x tokens)")
+    past = mask.shape[1] - total if mask is not None else 0
+    # Left padding must go through in the first piece (later pieces are stored as real rows): it starts
+    # with the padding and is at least `chunk` long.
+    first = chunk
+    if mask is not None and cache.get_seq_length() == 0:
+        first = max(first, int((mask[:, past:] == 0).sum(dim=1).max()) + 1)
+    starts = [0, *range(first, total, chunk)]
+    last = starts[-1]  # where the last piece starts: the model's own forward runs it
+    if last == 0:
+        return None  # the padding needs the whole input in one piece
+    _running.chunking = True
+    try:
+        for start, end in zip(starts, starts[1:], strict=False):
+            piece = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds")}
+            piece["input_ids"] = ids[:, start:end]
+            if mask is not None:
+                piece["attention_mask"] = mask[:, : past + end]
+            if pos is not None:
+                piece["position_ids"] = pos[:, start:end]
+            if cpos is not None:
+                piece["cache_position"] = cpos[start:end]
+            piece["use_cache"] = True
+            piece["logits_to_keep"] = 1
+            model(**piece)
+    finally:
+        _running.chunking = False
+    _running.cache = cache
+    rest = ids[:, last:]
+    kwargs = dict(kwargs)
+    if "input_ids" in kwargs or not args:
+        kwargs["input_ids"] = rest
+    else:
+        args = (rest, *args[1:])
+    if pos is not None:
+        kwargs["position_ids"] = pos[:, last:]
+    if cpos is not None:
+        kwargs["cache_position"] = cpos[last:]
+    cache.step_ids = rest
+    return args, kwargs
 
 
 def _after_final_norm(model: torch.nn.Module, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:

@@ -37,6 +37,10 @@ class LayerMemory(CacheLayerMixin):
         self.batch = self.kv_heads = self.key_dim = self.value_dim = 0
         self.dtype = torch.float32
         self.max_device_rows = 0  # the most device-tier rows per KV head seen at any decode step
+        # High-water marks of the device tier, counting KV rows attended exactly in passing (the prompt at a
+        # one-shot prefill; a chunk or a turn going through): what peak memory really is.
+        self.peak_device_bytes = 0
+        self.peak_device_rows = 0
 
     def __repr__(self) -> str:
         return f"LayerMemory(layer={self.layer_idx}, seen={self.seen}, method={self.cache.method.name})"
@@ -75,6 +79,8 @@ class LayerMemory(CacheLayerMixin):
         self.host_tier.clear()
         self.meta.clear()
         self.max_device_rows = 0
+        self.peak_device_bytes = 0
+        self.peak_device_rows = 0
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -160,8 +160,18 @@ class KVMethod:
         raise NotImplementedError
 
     def select(self, memory: Memory, query: torch.Tensor) -> Selection:
-        """Choose (recall, reconstruct) the rows this step attends to; ``query`` is ``[batch, q_heads, 1, d]``."""
+        """Choose (recall, reconstruct) the rows this step attends to; ``query`` is ``[batch, q_heads, n, d]``:
+        one token while decoding (after ``append``), or the ``n`` tokens of a new input after compression
+        (before ``extend``: one selection of stored rows serves them all; their own rows are added by the
+        runtime, causally)."""
         raise NotImplementedError
+
+    def extend(self, memory: Memory, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the rows of a multi-token input that arrives after compression (a follow-up question, the
+        next chat turn, the next chunk of a long prompt), ``[batch, kv_heads, n, head_dim]``, within the
+        budget. Default: append them one at a time, exactly as decoding them would."""
+        for i in range(keys.shape[2]):
+            self.append(memory, keys[:, :, i : i + 1], values[:, :, i : i + 1])
 
     def device_rows(self, memory: Memory) -> int:
         """KV rows per KV head this layer holds on the device tier now (resident + recall buffers)."""
