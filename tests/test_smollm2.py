@@ -70,3 +70,45 @@ def test_oracle_topk_at_ten_percent_finds_the_passkey(smollm2):
     # 10% of the rows on the device tier (the recall buffer), everything on the host tier
     assert out.memory.device_bytes <= 0.11 * out.memory.full_kv_bytes
     assert out.memory.host_bytes >= out.memory.full_kv_bytes
+
+
+def test_a_question_asked_after_compression_is_answered_by_recall_not_by_eviction(smollm2):
+    """Compress once, ask many: the context is compressed before the question exists; the question then
+    extends the compressed cache. oracle_topk recalls the needle; streamingllm (sinks + recent) cannot."""
+    from zoomkv.data.passkey import QUESTION
+
+    model, tok = smollm2
+    prompt = passkey_prompt(tok, 2048, depth=0.5, seed=5)
+    context = prompt.text[: -len(QUESTION)]
+    ctx = tok(context, return_tensors="pt", add_special_tokens=False)
+    full_ids = tok(prompt.text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert torch.equal(full_ids[:, : ctx["input_ids"].shape[1]], ctx["input_ids"])  # the question only appends
+    answers = {}
+    for method in ("full", "oracle_topk", "streamingllm"):
+        cache = ZoomCache(model, method, None if method == "full" else 128)
+        with torch.inference_mode():
+            model(**ctx, use_cache=True, **generate_cache_kwargs(cache))  # compressed without the question
+            assert cache.get_seq_length() == ctx["input_ids"].shape[1]
+            out = model.generate(input_ids=full_ids, attention_mask=torch.ones_like(full_ids), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, **generate_cache_kwargs(cache))
+        answers[method] = tok.decode(out[0, full_ids.shape[1]:])
+    assert prompt.answer in answers["full"], answers
+    assert prompt.answer in answers["oracle_topk"], answers
+    assert prompt.answer not in answers["streamingllm"], answers
+
+
+def test_generate_again_on_the_same_cache_answers_about_the_first_turn(smollm2):
+    """The README's example: a second ``generate`` on the cache of the first asks about the first context."""
+    model, tok = smollm2
+    prompt = passkey_prompt(tok, 1024, depth=0.3, seed=11)
+    ids = tok(prompt.text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    cache = ZoomCache(model, "oracle_topk", 128)
+    with torch.inference_mode():
+        first = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               pad_token_id=0, **generate_cache_kwargs(cache))
+        follow = tok(" Once more, the pass key is", return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids2 = torch.cat([first, follow], dim=1)
+        second = model.generate(input_ids=ids2, attention_mask=torch.ones_like(ids2), max_new_tokens=8,
+                                do_sample=False, pad_token_id=0, **generate_cache_kwargs(cache))
+    assert prompt.answer in tok.decode(second[0, ids2.shape[1]:])
+    assert cache.max_device_rows <= 128

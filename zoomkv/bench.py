@@ -40,6 +40,14 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         Budget.parse(b)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
+    if args.length < 64:
+        raise ZoomKVError(f"--length must be at least 64 tokens, got {args.length}")
+    try:
+        chunks = [int(c) for c in str(getattr(args, "prefill_chunk", "") or "").split(",") if c.strip()]
+    except ValueError:
+        raise ZoomKVError(f"--prefill-chunk expects whole numbers, got {args.prefill_chunk!r}") from None
+    if any(c < 1 for c in chunks):
+        raise ZoomKVError(f"--prefill-chunk must be positive, got {args.prefill_chunk!r}")
     t0 = time.perf_counter()
     random_weights = bool(getattr(args, "random_weights", False))
     _progress(t0, f"loading {args.model}" + (" (random weights)" if random_weights else ""))
@@ -48,36 +56,47 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     prompt = passkey_prompt(tokenizer, args.length, depth=0.5, seed=0)
 
-    configs: list[tuple[str, str | None]] = [("full", None)]
-    for m in methods:
-        if m == "full":
-            continue
-        configs += [(m, b) for b in budgets]
+    configs: list[tuple[str, str | None, int | None]] = []
+    for chunk in [None, *chunks]:
+        configs.append(("full", None, chunk))
+        configs += [(m, b, chunk) for m in methods if m != "full" for b in budgets]
+
+    def run(m: str, b: str | None, chunk: int | None, new: int) -> tuple[Any, int | None]:
+        cuda = model.device.type == "cuda"
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize(model.device)
+            base = torch.cuda.memory_allocated(model.device)
+            torch.cuda.reset_peak_memory_stats(model.device)
+        r = generate_text(model, tokenizer, prompt.text, method=m, budget=b, max_new_tokens=new, chat=False,
+                          stop_at_eos=False, prefill_chunk=chunk)
+        return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
     # warm-up: one short run per configuration so lazy initialisation is not timed
-    for m, b in configs:
-        _progress(t0, f"warm-up {m}" + (f"@{b}" if b else ""))
-        generate_text(model, tokenizer, prompt.text, method=m, budget=b, max_new_tokens=2, chat=False, stop_at_eos=False)
+    for m, b, chunk in configs:
+        _progress(t0, f"warm-up {m}" + (f"@{b}" if b else "") + (f" chunk {chunk}" if chunk else ""))
+        run(m, b, chunk, 2)
 
-    samples: dict[tuple[str, str | None], list[Any]] = {c: [] for c in configs}
+    samples: dict[tuple[str, str | None, int | None], list[Any]] = {c: [] for c in configs}
     for rep in range(args.repeats):
         _progress(t0, f"repeat {rep + 1}/{args.repeats}")
         for c in configs:
-            r = generate_text(model, tokenizer, prompt.text, method=c[0], budget=c[1],
-                              max_new_tokens=args.new_tokens, chat=False, stop_at_eos=False)
-            samples[c].append(r)
+            samples[c].append(run(*c, args.new_tokens))
 
     rows = []
-    full_prefill = statistics.median(r.prefill_s for r in samples[("full", None)])
-    full_decode = statistics.median(r.decode_ms_per_token for r in samples[("full", None)])
-    for (m, _budget), results in samples.items():
-        prefill = statistics.median(r.prefill_s for r in results)
-        decode = statistics.median(r.decode_ms_per_token for r in results)
-        mem = results[-1].memory
+    full_prefill = statistics.median(r.prefill_s for r, _ in samples[("full", None, None)])
+    full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[("full", None, None)])
+    for (m, _budget, chunk), results in samples.items():
+        prefill = statistics.median(r.prefill_s for r, _ in results)
+        decode = statistics.median(r.decode_ms_per_token for r, _ in results)
+        last, cuda_peak = results[-1]
+        mem = last.memory
         rows.append({
             "method": m,
             "budget": mem.budget,
-            "prompt_tokens": results[-1].prompt_tokens,
+            "prefill_chunk": chunk,
+            "prompt_tokens": last.prompt_tokens,
             "prefill_s": round(prefill, 4),
             "prefill_ratio": round(prefill / full_prefill, 3),
             "decode_ms_per_token": round(decode, 3),
@@ -85,6 +104,9 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             "device_bytes": mem.device_bytes,
             "host_bytes": mem.host_bytes,
             "full_kv_bytes": mem.full_kv_bytes,
+            "peak_device_bytes": mem.peak_device_bytes,
+            "peak_device_rows": mem.peak_device_rows,
+            "cuda_peak_bytes": cuda_peak,  # torch.cuda.max_memory_allocated over the run, above what was allocated before
         })
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
@@ -96,10 +118,15 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
               f"prompt {rows[0]['prompt_tokens']} tokens, {args.new_tokens} new tokens, "
               f"median of {args.repeats} interleaved runs")
         print()
-        print("| method | budget | prefill s | × full | decode ms/token | × full | device MiB | host MiB | full KV MiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
+        print("| method | budget | prefill chunk | prefill s | × full | decode ms/token | × full | device MiB | "
+              "peak device MiB | peak rows | host MiB | full KV MiB |" + (" CUDA peak MiB |" if cuda else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
         for r in rows:
-            print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | {r['prefill_s']:.3f} | "
+            print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
+                  f"{r['prefill_chunk'] or 'one-shot'} | {r['prefill_s']:.3f} | "
                   f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
-                  f"{_mib(r['device_bytes'])} | {_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |")
+                  f"{_mib(r['device_bytes'])} | {_mib(r['peak_device_bytes'])} | {r['peak_device_rows']} | "
+                  f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
+                  + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else ""))
     return rows

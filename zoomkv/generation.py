@@ -98,7 +98,10 @@ def generate_text(
     kv_quant: str | None = None,
     kv_quant_tiers: str = "host",
     tail_summary: bool = False,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
+    """Generate from ``prompts`` with ``method`` at ``budget``; ``prefill_chunk``: put the prompt through in
+    pieces of that many tokens, compressed as they go (``ZoomCache(prefill_chunk=...)``)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if max_new_tokens < 1:
@@ -110,7 +113,7 @@ def generate_text(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, kv_quant=kv_quant, kv_quant_tiers=kv_quant_tiers,
-                      tail_summary=tail_summary, **(method_kwargs or {}))
+                      tail_summary=tail_summary, prefill_chunk=prefill_chunk, **(method_kwargs or {}))
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -174,13 +177,17 @@ def generate_methods(
     max_new_tokens: int = 32,
     chat: bool | None = None,
     stop_at_eos: bool = True,
+    contexts: list[str] | None = None,
+    prefill_chunk: int | None = None,
 ) -> list[GenerationResult]:
     """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
 
-    Tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
+    ``contexts`` (the query-agnostic protocol): for each prompt, its leading part that is prefilled and
+    compressed before the rest (the question and the answer prefix) arrives; the rest then extends each
+    method's compressed cache. Without it the whole prompt is prefilled and compressed (query-aware), and
+    tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
+    ``prefill_chunk``: no shared prefill; each method's cache takes the prompt (or context) in pieces.
     """
-    from zoomkv.memory.replay import cache_from_record, record_prefill
-
     if isinstance(prompts, str):
         prompts = [prompts]
     if max_new_tokens < 1:
@@ -189,40 +196,139 @@ def generate_methods(
     for run in runs:
         Budget.parse(run.budget, max_rows=max_len)
     texts = [format_prompt(tokenizer, p, chat) for p in prompts]
-    inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device)
-    record = record_prefill(model, inputs["input_ids"], inputs["attention_mask"])
-    first = record.last_logits.argmax(dim=-1, keepdim=True)  # greedy: the same for every method
+    if contexts is None:
+        inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens,
+                                device=model.device)
+        return _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk)
+    return _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos, prefill_chunk,
+                           max_len)
+
+
+def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None) -> ZoomCache:
+    from zoomkv.memory.replay import cache_from_record
+
+    options = {"kv_quant": run.kv_quant, "kv_quant_tiers": run.kv_quant_tiers, "tail_summary": run.tail_summary,
+               **run.kwargs}
+    if record is not None:
+        return cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, **options)
+    return ZoomCache(model, run.method, run.budget, tokenizer=tokenizer, prefill_chunk=prefill_chunk, **options)
+
+
+def _decode(model: Any, tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+            stop_at_eos: bool) -> tuple[torch.Tensor, list[float]]:
+    """Greedy ``new_tokens`` from ``ids`` (whatever of them the cache does not hold goes through first)."""
+    clock = _StepClock()
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": new_tokens, "do_sample": False,
+                                  "pad_token_id": tokenizer.pad_token_id,
+                                  "logits_processor": LogitsProcessorList([clock])}
+    if not stop_at_eos:
+        gen_kwargs["eos_token_id"] = None
+        gen_kwargs["min_new_tokens"] = new_tokens
+    out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs, **compat.generate_cache_kwargs(cache))
+    return out[:, ids.shape[1]:], clock.times
+
+
+def _finish(tokenizer: Any, new: torch.Tensor, stop_at_eos: bool) -> list[list[int]]:
+    token_ids = new.tolist()
     eos = tokenizer.eos_token_id
+    if stop_at_eos and eos is not None:  # a row whose first token was EOS is finished there
+        token_ids = [row[: row.index(eos) + 1] if eos in row else row for row in token_ids]
+    return token_ids
+
+
+def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
+                         max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None) -> list[GenerationResult]:
+    from zoomkv.memory.replay import record_prefill
+
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    eos = tokenizer.eos_token_id
+    record = None if prefill_chunk else record_prefill(model, ids, mask)
     results = []
     for run in runs:
-        cache = cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, kv_quant=run.kv_quant,
-                                  kv_quant_tiers=run.kv_quant_tiers, tail_summary=run.tail_summary, **run.kwargs)
-        clock = _StepClock()
+        cache = _cache_for(model, tokenizer, run, record, prefill_chunk)
         start = time.perf_counter()
-        if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):
-            ids = torch.cat([inputs["input_ids"], first], dim=1)
-            mask = torch.cat([inputs["attention_mask"], torch.ones_like(first)], dim=1)
-            gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens - 1, "do_sample": False,
-                                          "pad_token_id": tokenizer.pad_token_id,
-                                          "logits_processor": LogitsProcessorList([clock])}
-            if not stop_at_eos:
-                gen_kwargs["eos_token_id"] = None
-                gen_kwargs["min_new_tokens"] = max_new_tokens - 1
-            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs, **compat.generate_cache_kwargs(cache))
-            new = out[:, inputs["input_ids"].shape[1]:]
+        if record is None:  # chunked: the prefill is this method's own, timed to its first token
+            new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
+            prefill_s = stamps[0] - start if stamps else time.perf_counter() - start
+            steps = len(stamps) - 1
+            decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0
         else:
-            new = first
-        elapsed = time.perf_counter() - start
-        token_ids = new.tolist()
-        if stop_at_eos and eos is not None:  # a row whose first token was EOS is finished there
-            token_ids = [row[: row.index(eos) + 1] if eos in row else row for row in token_ids]
-        steps = len(clock.times)
+            first = record.last_logits.argmax(dim=-1, keepdim=True)  # greedy: the same for every method
+            prefill_s = record.prefill_s
+            if max_new_tokens > 1 and not (stop_at_eos and eos is not None and bool((first == eos).all())):
+                more, stamps = _decode(model, tokenizer, cache, torch.cat([ids, first], dim=1),
+                                       torch.cat([mask, torch.ones_like(first)], dim=1), max_new_tokens - 1,
+                                       stop_at_eos)
+                new = torch.cat([first, more], dim=1)
+            else:
+                new, stamps = first, []
+            elapsed = time.perf_counter() - start
+            decode_ms = elapsed / len(stamps) * 1000 if stamps else 0.0
+        token_ids = _finish(tokenizer, new, stop_at_eos)
         results.append(GenerationResult(
             texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
-            prompt_tokens=record.length,
+            prompt_tokens=ids.shape[1],
             new_tokens=new.shape[1],
-            prefill_s=record.prefill_s,
-            decode_ms_per_token=elapsed / steps * 1000 if steps else 0.0,
+            prefill_s=prefill_s,
+            decode_ms_per_token=decode_ms,
+            memory=cache.memory_report(),
+            token_ids=token_ids,
+        ))
+    return results
+
+
+def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
+                    max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
+                    max_len: int) -> list[GenerationResult]:
+    from zoomkv.memory.replay import record_prefill
+
+    if len(contexts) != len(texts):
+        raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
+    rests = []
+    for text, context in zip(texts, contexts, strict=True):
+        if not text.startswith(context):
+            raise PromptError("a context must be the start of its prompt (the question comes after it)")
+        rests.append(text[len(context):])
+    for c in contexts:
+        if not c.strip():
+            raise PromptError("the context is empty")
+    # Context and question are tokenized apart, so no token straddles the cut; each row is left padded.
+    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in contexts]
+    rest = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rests]
+    total = max(len(c) + len(r) for c, r in zip(rows, rest, strict=True))
+    if total + max_new_tokens > max_len:
+        raise PromptError(f"the prompt has {total} tokens; with {max_new_tokens} new tokens that is over "
+                          f"the model's maximum context of {max_len} tokens")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (total - len(c) - len(r)) + c + r for c, r in zip(rows, rest, strict=True)],
+                       device=model.device)
+    mask = torch.tensor([[0] * (total - len(c) - len(r)) + [1] * (len(c) + len(r))
+                         for c, r in zip(rows, rest, strict=True)], device=model.device)
+    # One cut for the batch, before the longest question: no question token is ever compressed (a row with a
+    # shorter question has its last few context tokens asked with it instead).
+    cut = total - max(len(r) for r in rest)
+    ctx = {"input_ids": ids[:, :cut], "attention_mask": mask[:, :cut]}
+    record = None if prefill_chunk else record_prefill(model, ctx["input_ids"], ctx["attention_mask"])
+    results = []
+    for run in runs:
+        cache = _cache_for(model, tokenizer, run, record, prefill_chunk)
+        start = time.perf_counter()
+        if record is None:  # this method's own (chunked) prefill of the context, without the question
+            model(input_ids=ctx["input_ids"], attention_mask=ctx["attention_mask"], use_cache=True, logits_to_keep=1,
+                  position_ids=(ctx["attention_mask"].long().cumsum(-1) - 1).masked_fill_(ctx["attention_mask"] == 0, 1),
+                  **compat.generate_cache_kwargs(cache))
+        prefill_s = record.prefill_s if record is not None else time.perf_counter() - start
+        start = time.perf_counter()
+        new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
+        steps = len(stamps) - 1  # the first stamp ends the question's pass through the compressed cache
+        decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0
+        token_ids = _finish(tokenizer, new, stop_at_eos)
+        results.append(GenerationResult(
+            texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
+            prompt_tokens=ids.shape[1],
+            new_tokens=new.shape[1],
+            prefill_s=prefill_s,
+            decode_ms_per_token=decode_ms,
             memory=cache.memory_report(),
             token_ids=token_ids,
         ))

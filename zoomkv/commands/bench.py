@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--random-weights", action="store_true",
                         help="build --model (a local folder with config.json + tokenizer) with random weights: timing only")
+    parser.add_argument("--prefill-chunk", default="", metavar="N[,N...]",
+                        help="also run every configuration with chunked prefill (pieces of N tokens) and report its "
+                             "peak device memory and prefill time beside the one-shot prefill")
     parser.add_argument("--json", action="store_true")
 
 

@@ -4,6 +4,7 @@
         --tasks niah_single_1,vt --length 4096 --samples 8 --out runs/eval
     zoomkv eval --model smollm2-135m --methods quest --budgets 256 --grid-lengths 1024,2048,4096 --out runs/grid
     zoomkv eval --model smollm2-135m --adapter checkpoints/sekv-smollm2 --methods quest --budgets 256 --out runs/adapter
+    zoomkv eval --model smollm2-135m --methods snapkv --budgets 128 --tasks niah_single_2 --protocol query-aware --out runs/qa
     zoomkv eval --list-tasks
 """
 
@@ -55,7 +56,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
         plots=not args.no_plots, progress=not args.quiet, threads=args.threads,
-        command=command_line(args),
+        command=command_line(args), protocol=args.protocol, prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -121,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",
                         help="wrap prompts in the model's chat template (auto: when it has one); default off, "
                              "as RULER prompts with an answer prefix")
+    parser.add_argument("--protocol", choices=["query-agnostic", "query-aware"], default="query-agnostic",
+                        help="query-agnostic (default): compress the context before the question arrives, then ask "
+                             "it over the compressed cache; query-aware: compress the whole prompt, question included")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="put each prompt (or context) through in pieces of N tokens, compressed as they go")
     parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="put the prompt through in pieces of N tokens, compressed as they go (peak device KV "
+                             "per layer: the budget plus N rows)")
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap the prompt in the chat template")
     parser.add_argument("--kv-quant", choices=["none", "int8", "int4"], default="none",
                         help="store the host tier as int8/int4 codes with per-group fp16 scales")
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, prompt, method=method, budget=args.budget, max_new_tokens=args.max_new_tokens,
         chat=None if args.chat == "auto" else args.chat == "on",
         kv_quant=None if args.kv_quant == "none" else args.kv_quant, kv_quant_tiers=args.kv_quant_tiers,
-        tail_summary=args.tail_summary,
+        tail_summary=args.tail_summary, prefill_chunk=args.prefill_chunk,
     )
     report = result.memory
     if args.json:

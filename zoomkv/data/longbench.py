@@ -141,6 +141,7 @@ class LongBenchTask:
             answer_prefix=rec.answer_prefix, answers=rec.answers, metric=rec.metric,
             max_new_tokens=rec.max_new_tokens, all_classes=rec.all_classes, chat=rec.chat,
             first_line=rec.first_line, haystack="data", meta={"truncated": cut, "line": rec.line},
+            question_at=len(rec.head + context),  # the tail holds the question or the instruction
         )
 
 

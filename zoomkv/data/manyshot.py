@@ -79,8 +79,9 @@ class ManyShotTask:
             return INSTRUCTION + "".join(_shot(p) for p in pool[:k]) + f"Question: {test.question}"
 
         k = fit_units(lambda k: fmt.measure(prompt(k), PREFIX), limit, what=self.name, start=8, most=len(pool))
+        text = prompt(k)
         return Sample(
-            task=self.name, length=length, index=index, prompt=prompt(k), answer_prefix=PREFIX,
+            task=self.name, length=length, index=index, prompt=text, answer_prefix=PREFIX,
             answers=[test.answer], metric="exact_number", max_new_tokens=MAX_NEW_TOKENS, haystack="data",
-            meta={"shots": k},
+            meta={"shots": k}, question_at=text.rindex("Question: "),
         )

@@ -159,6 +159,7 @@ def generate_niah(
     prompt, prefix = niah_template(spec, queries, context(n, pad))
     return Sample(
         task=label, length=length, index=index, prompt=prompt, answer_prefix=prefix, answers=answers,
+        question_at=prompt.rindex("\nWhat "),
         metric="string_match_all", max_new_tokens=niah_new_tokens(spec),
         depth=depth, haystack=note, meta={"keys": queries, "units": n, "pad_words": pad},
     )

@@ -80,6 +80,7 @@ def generate_vt(
     prompt, prefix = build(n)
     return Sample(
         task="vt", length=length, index=index, prompt=prompt, answer_prefix=prefix, answers=names,
+        question_at=prompt.rindex("\nQuestion:"),
         metric="string_match_all", max_new_tokens=MAX_NEW_TOKENS, depth=placed[0][0], haystack=hay.note,
         meta={"value": values[0], "units": n, "example": bool(example)},
     )

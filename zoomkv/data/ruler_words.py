@@ -90,6 +90,7 @@ def generate_cwe(fmt: PromptFormat, length: int, index: int, *, seed: int = 0, d
     (prompt, prefix), common = build(n, singles)
     return Sample(
         task="cwe", length=length, index=index, prompt=prompt, answer_prefix=prefix, answers=common,
+        question_at=prompt.rindex("\nQuestion:"),
         metric="string_match_all", max_new_tokens=CWE_NEW_TOKENS, haystack="word list",
         meta={"freq_common": freq_common, "freq_rare": freq_rare, "units": n, "singles": singles,
               "example": bool(example)},
@@ -176,6 +177,7 @@ def generate_fwe(
     prompt, prefix = build(n)
     return Sample(
         task="fwe", length=length, index=index, prompt=prompt, answer_prefix=prefix, answers=answers,
+        question_at=prompt.rindex("\nQuestion:"),
         metric="string_match_all", max_new_tokens=FWE_NEW_TOKENS, haystack="coded words",
         meta={"alpha": alpha, "units": n},
     )

@@ -36,6 +36,9 @@ class Sample:
     chat: bool | None = None  # a task that must not use the chat template (LongBench's few-shot and code)
     first_line: bool = False  # score only the reply's first line (LongBench's few-shot tasks)
     meta: dict[str, Any] = field(default_factory=dict)
+    # Where the question starts in ``prompt`` (a character offset): the query-agnostic protocol compresses
+    # what comes before it and asks the rest afterwards. None: the whole prompt is context.
+    question_at: int | None = None
 
 
 class PromptFormat:
@@ -71,6 +74,13 @@ class PromptFormat:
 
     def sample_text(self, sample: Sample) -> str:
         return self.render(sample.prompt, sample.answer_prefix, sample.chat)
+
+    def context_text(self, sample: Sample) -> str:
+        """The start of ``sample_text`` that holds the context and not the question (chat template head
+        included): what the query-agnostic protocol compresses before the question arrives."""
+        text = self.sample_text(sample)
+        at = len(sample.prompt) if sample.question_at is None else sample.question_at
+        return text[: text.index(sample.prompt) + at]
 
 
 def fit_units(measure: Callable[[int], int], target: int, *, what: str, start: int = 64, most: int | None = None) -> int:

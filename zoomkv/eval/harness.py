@@ -55,6 +55,14 @@ class EvalConfig:
     progress: bool = True
     threads: int | None = None
     command: str = ""
+    # query-agnostic: the context is prefilled and compressed without the question, which then extends the
+    # compressed cache; query-aware: the whole prompt, question included, is compressed (observation-window
+    # methods see the question before they choose)
+    protocol: str = "query-agnostic"
+    prefill_chunk: int | None = None  # put the prompt (or context) through in pieces of this many tokens
+
+
+PROTOCOLS = ("query-agnostic", "query-aware")
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,10 @@ def prepare(cfg: EvalConfig) -> Prepared:
         raise ZoomKVError(f"--samples must be at least 1, got {cfg.samples}")
     if cfg.batch_size < 1:
         raise ZoomKVError(f"--batch-size must be at least 1, got {cfg.batch_size}")
+    if cfg.protocol not in PROTOCOLS:
+        raise ZoomKVError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {cfg.protocol!r}")
+    if cfg.prefill_chunk is not None and cfg.prefill_chunk < 1:
+        raise ZoomKVError(f"--prefill-chunk must be a positive number of tokens, got {cfg.prefill_chunk}")
     if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
         raise ZoomKVError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
     for n in [*cfg.lengths, *cfg.grid_lengths]:
@@ -226,7 +238,7 @@ def _row(sample: Sample, prompt_tokens: int, b: int, run: RunSpec, result: Gener
         "full_kv_bytes": mem.full_kv_bytes // batch,
         "prefill_s": round(result.prefill_s, 4), "decode_ms_per_token": round(result.decode_ms_per_token, 3),
         "prompt_tokens": prompt_tokens, "new_tokens": len(result.token_ids[b]), "batch_size": batch,
-        "haystack": sample.haystack, "chat": fmt.uses_chat(sample.chat),
+        "haystack": sample.haystack, "chat": fmt.uses_chat(sample.chat), "protocol": cfg.protocol,
         "model": cfg.model, "prediction": prediction, "answers": sample.answers,
     }
 
@@ -266,7 +278,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
-                "max_new_tokens": cfg.max_new_tokens, "haystack_dir": cfg.haystack_dir}
+                "max_new_tokens": cfg.max_new_tokens, "haystack_dir": cfg.haystack_dir, "protocol": cfg.protocol,
+                "prefill_chunk": cfg.prefill_chunk}
     store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
 
@@ -292,8 +305,11 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                        for i in indices]
             texts = [fmt.sample_text(s) for s in samples]
             new = cfg.max_new_tokens or max(s.max_new_tokens for s in samples)
+            # query-agnostic: each prompt's context is compressed first; its question then extends the cache
+            contexts = [fmt.context_text(s) for s in samples] if cfg.protocol == "query-agnostic" else None
             results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
-                                       max_new_tokens=new, chat=False)
+                                       max_new_tokens=new, chat=False, contexts=contexts,
+                                       prefill_chunk=cfg.prefill_chunk)
             counts = [fmt.count(t) for t in texts]
             rows = [_row(s, counts[b], b, run, res, len(samples), cfg, fmt)
                     for run, res in zip(missing, results, strict=True) for b, s in enumerate(samples)]
@@ -304,7 +320,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             bar.update(1)
     finally:
         bar.close()
-    header = {"model": cfg.model, "command": cfg.command, "chat": fmt.chat, "seed": cfg.seed,
+    header = {"model": cfg.model, "command": cfg.command, "protocol": cfg.protocol,
+              "prefill_chunk": cfg.prefill_chunk, "chat": fmt.chat, "seed": cfg.seed,
               "samples": cfg.samples, "lengths": ",".join(map(str, cfg.lengths)), "batch_size": cfg.batch_size,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}}
     labels = cfg.methods + [r.method for r in prep.runs if r.adapter is not None]

@@ -19,7 +19,7 @@ from zoomkv.errors import ZoomKVError
 FIELDS = (
     "method", "method_args", "budget", "budget_rows", "task", "length", "depth", "sample", "score", "metric",
     "device_bytes", "host_bytes", "full_kv_bytes", "prefill_s", "decode_ms_per_token", "prompt_tokens",
-    "new_tokens", "batch_size", "haystack", "chat", "model", "prediction", "answers",
+    "new_tokens", "batch_size", "haystack", "chat", "protocol", "model", "prediction", "answers",
 )
 
 GRID_TASK = "niah_grid"
@@ -56,6 +56,8 @@ class RowStore:
             old = json.loads(run_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return
+        if isinstance(old, dict):
+            old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
         diff = [k for k in identity if k in old and old[k] != identity[k]]
         if diff:
             what = "; ".join(f"{k}: {old[k]!r} there, {identity[k]!r} now" for k in diff)

@@ -113,7 +113,7 @@ def zoomkv_attention_forward(
 
     if not memory.compressed:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
-        _note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
+        note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
         length = key.shape[2]
         budget = cache.resolve_budget(length)
         ctx = PrefillContext(
@@ -171,7 +171,7 @@ def extend_layer(module: torch.nn.Module, cache: Any, memory: Any, query: torch.
     sel = method.select(memory, query)
     _check_budget(cache, memory, cache.budget_rows)
     # The new rows sit on the device tier next to the layer's own while they are attended.
-    _note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
+    note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
     if cache.tail_summary:
         sel = with_tail(memory, sel)
     if sel.use_model_mask:  # every stored row, in order: the model's own mask applies to them and the new ones
@@ -188,7 +188,7 @@ def extend_layer(module: torch.nn.Module, cache: Any, memory: Any, query: torch.
     return out
 
 
-def _note_peak(memory: Any, transient_bytes: int, transient_rows: int) -> None:
+def note_peak(memory: Any, transient_bytes: int, transient_rows: int) -> None:
     """The layer's device-tier high-water mark: what it holds plus KV rows attended exactly in passing (the
     prompt at a one-shot prefill, a chunk or a turn while it goes through)."""
     memory.peak_device_bytes = max(memory.peak_device_bytes, memory.device_bytes + transient_bytes)
@@ -218,7 +218,7 @@ def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
     rows = cache.method.device_rows(memory) + (1 if cache.tail_summary else 0)
     memory.max_device_rows = max(memory.max_device_rows, rows)
-    _note_peak(memory, 0, 0)
+    note_peak(memory, 0, 0)
     method, n = cache.method, cache.num_layers_total
     if not method.uses_budget or budget is None or method.dense_layer(memory.layer_idx, n):
         return

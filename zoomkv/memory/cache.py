@@ -69,8 +69,9 @@ class MemoryReport:
 
     @property
     def peak_device_rows(self) -> int:
-        """The most device rows per KV head any layer held at any moment, rows attended in passing included."""
-        return max((r.peak_device_rows for r in self.layers), default=0)
+        """The most device rows per KV head any compressed layer held at any moment, rows attended in passing
+        included (dense layers, which a method keeps whole by design, and sliding layers are left out)."""
+        return max((r.peak_device_rows for r in self.layers if r.kind == "zoom"), default=0)
 
     def totals(self) -> dict[str, int]:
         return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "full_kv_bytes": self.full_kv_bytes,

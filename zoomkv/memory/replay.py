@@ -19,7 +19,7 @@ import torch
 
 from zoomkv import compat
 from zoomkv.budget import Budget
-from zoomkv.memory.attention import compress_layer
+from zoomkv.memory.attention import compress_layer, note_peak
 from zoomkv.memory.cache import ZoomCache
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.surprisal import token_surprisal
@@ -87,6 +87,7 @@ def cache_from_record(
                                       tokenizer=tokenizer, model_name=cache.model_name, surprisal=surprisal)
             layer.lazy_initialization(ctx.keys, ctx.values)
             layer.seen = record.length
+            note_peak(layer, ctx.keys.nbytes + ctx.values.nbytes, ctx.keys.shape[2])  # as a live prefill holds it
             compress_layer(cache, layer, ctx)
         else:
             # transformers' sliding-window layer replaces (never mutates) its tensors: a shallow copy is safe

@@ -1,0 +1,79 @@
+"""The evaluation protocols: query-agnostic (the default: the context is compressed before the question
+exists, then the question extends the compressed cache) and query-aware (the whole prompt compressed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import load_tiny
+from zoomkv.data.sample import PromptFormat
+from zoomkv.errors import ZoomKVError
+from zoomkv.eval.harness import EvalConfig, run_eval
+from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder
+from zoomkv.generation import MethodRun, generate_methods
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("task", [*SYNTHETIC_TASKS, GRID_TASK])
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_task_says_where_its_question_starts(task, chat):
+    _, tok = load_tiny("tiny-llama")
+    fmt = PromptFormat(tok, chat)
+    sample = TaskBuilder(fmt, seed=0, model_max=4096, essays=None, data=[]).build(task, 1500, 0, 0.5)
+    assert sample.question_at is not None and 0 < sample.question_at < len(sample.prompt)
+    text, context = fmt.sample_text(sample), fmt.context_text(sample)
+    assert text.startswith(context) and len(context) < len(text)
+    question = sample.prompt[sample.question_at:]
+    assert question.strip() and question not in context  # the question comes after what is compressed
+    assert sample.answer_prefix.strip() not in context
+
+
+def test_query_agnostic_with_everything_kept_equals_the_whole_prompt():
+    """With a budget over the prompt, asking the question over the compressed context gives the tokens of
+    compressing the whole prompt (the byte tokenizer cuts the same tokens either way)."""
+    model, tok = load_tiny("tiny-llama")
+    texts = ["The grass is green. " * 20 + "Question: what is green? Answer:",
+             "The sky is blue, the sun is bright. " * 9 + "Question: what is blue? Answer:"]
+    contexts = [t[: t.index("Question:")] for t in texts]
+    runs = [MethodRun("full"), MethodRun("oracle_topk", 4096), MethodRun("snapkv", 4096), MethodRun("sekv", 4096)]
+    aware = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False)
+    agnostic = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False,
+                                contexts=contexts)
+    for a, b in zip(agnostic, aware, strict=True):
+        assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
+    chunked = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False,
+                               contexts=contexts, prefill_chunk=64)
+    assert [r.token_ids for r in chunked] == [r.token_ids for r in aware]
+
+
+def test_a_context_must_start_its_prompt():
+    model, tok = load_tiny("tiny-llama")
+    with pytest.raises(ZoomKVError, match="start of its prompt"):
+        generate_methods(model, tok, ["abc question"], [MethodRun("full")], contexts=["xyz"], chat=False)
+
+
+def test_rows_and_summary_record_the_protocol_and_resume_refuses_another(tmp_path):
+    out = tmp_path / "run"
+    common = dict(model="tiny-llama", out=out, methods=["full", "streamingllm"], budgets=["48"],
+                  tasks=["niah_single_1"], lengths=[512], samples=2, batch_size=2, max_new_tokens=3, progress=False,
+                  plots=False)
+    rows = run_eval(EvalConfig(**common))
+    assert rows and all(r["protocol"] == "query-agnostic" for r in rows)
+    assert "- protocol: `query-agnostic`" in (out / "summary.md").read_text()
+    assert json.loads((out / "run.json").read_text())["protocol"] == "query-agnostic"
+    with pytest.raises(ZoomKVError, match="protocol"):
+        run_eval(EvalConfig(**common, protocol="query-aware"))
+    aware = run_eval(EvalConfig(**{**common, "out": tmp_path / "aware"}, protocol="query-aware"))
+    assert all(r["protocol"] == "query-aware" for r in aware)
+    with pytest.raises(ZoomKVError, match="--protocol"):
+        run_eval(EvalConfig(**{**common, "out": tmp_path / "bad"}, protocol="sideways"))
