@@ -77,3 +77,24 @@ def test_rows_and_summary_record_the_protocol_and_resume_refuses_another(tmp_pat
     assert all(r["protocol"] == "query-aware" for r in aware)
     with pytest.raises(ZoomKVError, match="--protocol"):
         run_eval(EvalConfig(**{**common, "out": tmp_path / "bad"}, protocol="sideways"))
+
+
+def test_the_multi_turn_task_is_scored_per_turn_on_one_cache(tmp_path):
+    out = tmp_path / "turns"
+    rows = run_eval(EvalConfig(model="tiny-llama", out=out, methods=["full", "oracle_topk", "streamingllm"],
+                               budgets=["64"], tasks=["niah_multiturn"], lengths=[1024], samples=2, max_new_tokens=3,
+                               progress=False, plots=False))
+    tasks = sorted({r["task"] for r in rows})
+    assert tasks == ["niah_multiturn.1", "niah_multiturn.2", "niah_multiturn.3", "niah_multiturn.4"]
+    assert len(rows) == 4 * 2 * 3  # turns × samples × configurations
+    by_turn = {r["task"]: r for r in rows if r["method"] == "oracle_topk" and r["sample"] == 0}
+    # every turn asks another key, and the cache grows by each question and answer
+    assert len({tuple(r["answers"]) for r in by_turn.values()}) == 4
+    prompts = [by_turn[f"niah_multiturn.{t}"]["prompt_tokens"] for t in (1, 2, 3, 4)]
+    assert prompts == sorted(prompts) and len(set(prompts)) == 4
+    assert all(r["device_bytes"] < r["full_kv_bytes"] for r in rows if r["method"] != "full")
+    again = run_eval(EvalConfig(model="tiny-llama", out=out, methods=["full", "oracle_topk", "streamingllm"],
+                                budgets=["64"], tasks=["niah_multiturn"], lengths=[1024], samples=2, max_new_tokens=3,
+                                progress=False, plots=False))
+    assert len(again) == len(rows)  # resumed: nothing was run twice
+    assert "niah_multiturn.4" in (out / "summary.md").read_text()

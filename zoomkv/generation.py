@@ -32,6 +32,8 @@ class GenerationResult:
     decode_ms_per_token: float
     memory: MemoryReport
     token_ids: list[list[int]] = field(default_factory=list)
+    cache: ZoomCache | None = None  # kept when asked (generate_methods(keep_caches=True)): more turns can follow
+    sequence: torch.Tensor | None = None  # the input ids and every generated token, as the cache saw them
 
     @property
     def text(self) -> str:
@@ -179,6 +181,7 @@ def generate_methods(
     stop_at_eos: bool = True,
     contexts: list[str] | None = None,
     prefill_chunk: int | None = None,
+    keep_caches: bool = False,
 ) -> list[GenerationResult]:
     """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
 
@@ -187,6 +190,7 @@ def generate_methods(
     method's compressed cache. Without it the whole prompt is prefilled and compressed (query-aware), and
     tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
     ``prefill_chunk``: no shared prefill; each method's cache takes the prompt (or context) in pieces.
+    ``keep_caches``: each result keeps its cache and token sequence, so more turns can follow.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -199,9 +203,14 @@ def generate_methods(
     if contexts is None:
         inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens,
                                 device=model.device)
-        return _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk)
-    return _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos, prefill_chunk,
-                           max_len)
+        results = _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk)
+    else:
+        results = _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos,
+                                  prefill_chunk, max_len)
+    if not keep_caches:
+        for r in results:
+            r.cache = r.sequence = None
+    return results
 
 
 def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None) -> ZoomCache:
@@ -273,6 +282,8 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
             decode_ms_per_token=decode_ms,
             memory=cache.memory_report(),
             token_ids=token_ids,
+            cache=cache,
+            sequence=torch.cat([ids, new], dim=1),
         ))
     return results
 
@@ -331,5 +342,53 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
             decode_ms_per_token=decode_ms,
             memory=cache.memory_report(),
             token_ids=token_ids,
+            cache=cache,
+            sequence=torch.cat([ids, new], dim=1),
         ))
     return results
+
+
+@torch.inference_mode()
+def generate_turns(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    follow_ups: list[str],
+    runs: list[MethodRun],
+    *,
+    max_new_tokens: list[int],
+    context: str | None = None,
+    stop_at_eos: bool = True,
+    prefill_chunk: int | None = None,
+) -> list[list[GenerationResult]]:
+    """Several turns on one cache per method: ``prompt`` (whose ``context`` is compressed first when
+    given, query-agnostic), then each follow-up text appended after the previous answer, which stays in
+    the cache. ``max_new_tokens[i]`` per turn. Returns, per run, one result per turn (memory after it)."""
+    if len(max_new_tokens) != len(follow_ups) + 1:
+        raise PromptError(f"{len(max_new_tokens)} generation lengths for {len(follow_ups) + 1} turns")
+    first = generate_methods(model, tokenizer, [prompt], runs, max_new_tokens=max_new_tokens[0], chat=False,
+                             stop_at_eos=stop_at_eos, contexts=None if context is None else [context],
+                             prefill_chunk=prefill_chunk, keep_caches=True)
+    out = []
+    for result in first:
+        cache, ids = result.cache, result.sequence
+        turns = [result]
+        for follow_up, new_tokens in zip(follow_ups, max_new_tokens[1:], strict=True):
+            extra = tokenizer(follow_up, add_special_tokens=False, return_tensors="pt")["input_ids"].to(ids.device)
+            ids = torch.cat([ids, extra], dim=1)
+            start = time.perf_counter()
+            new, stamps = _decode(model, tokenizer, cache, ids, torch.ones_like(ids), new_tokens, stop_at_eos)
+            steps = len(stamps) - 1  # the first stamp ends the follow-up's pass through the compressed cache
+            token_ids = _finish(tokenizer, new, stop_at_eos)
+            turns.append(GenerationResult(
+                texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
+                prompt_tokens=ids.shape[1],
+                new_tokens=new.shape[1],
+                prefill_s=(stamps[0] if stamps else time.perf_counter()) - start,
+                decode_ms_per_token=(stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0,
+                memory=cache.memory_report(),
+                token_ids=token_ids,
+            ))
+            ids = torch.cat([ids, new], dim=1)
+        out.append(turns)
+    return out

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from zoomkv.data.haystack import Haystack, insert_at_depths, noise_haystack, pick_haystack
-from zoomkv.data.sample import PromptFormat, Sample, fit_units
+from zoomkv.data.sample import PromptFormat, Sample, Turn, fit_units
 from zoomkv.data.words import ADJECTIVES, NOUNS
 
 
@@ -162,4 +162,34 @@ def generate_niah(
         question_at=prompt.rindex("\nWhat "),
         metric="string_match_all", max_new_tokens=niah_new_tokens(spec),
         depth=depth, haystack=note, meta={"keys": queries, "units": n, "pad_words": pad},
+    )
+
+
+# Multi-turn: the needles of niah_multiquery, asked for one key per turn on the same compressed context,
+# each answer staying in the cache (SCBench's shared-context, multi-request setting).
+MULTITURN_BASE = "niah_multiquery"
+MULTITURN_TASK = "niah_multiturn"
+
+
+def generate_niah_multiturn(fmt: PromptFormat, length: int, index: int, *, seed: int = 0,
+                            essays: Haystack | None = None, depth: float | None = None) -> Sample:
+    """Sample ``index`` of the multi-turn NIAH task: ``niah_multiquery``'s context and keys, turn 1 asks for
+    the first key's number (singular wording, as niah_single), each follow-up for the next key."""
+    base = generate_niah(MULTITURN_BASE, fmt, length, index, seed=seed, essays=essays, depth=depth)
+    keys = base.meta["keys"]
+    one = NiahSpec("essay", "words", "numbers")  # one value asked per turn: RULER's singular wording
+
+    def ask(key: str) -> tuple[str, str]:
+        return (f"\nWhat is the special magic number for {key} mentioned in the provided text?",
+                f" The special magic number for {key} mentioned in the provided text is")
+
+    question, prefix = ask(keys[0])
+    prompt = base.prompt[: base.question_at] + question  # the plural introduction: several numbers are hidden
+    turns = [Turn(*ask(k), [answer], niah_new_tokens(one)) for k, answer in zip(keys[1:], base.answers[1:],
+                                                                              strict=True)]
+    return Sample(
+        task=MULTITURN_TASK, length=length, index=index, prompt=prompt, answer_prefix=prefix,
+        answers=base.answers[:1], question_at=base.question_at, metric="string_match_all",
+        max_new_tokens=niah_new_tokens(one), depth=base.depth, haystack=base.haystack,
+        meta={**base.meta, "turns": len(keys)}, follow_ups=turns,
     )

@@ -18,6 +18,16 @@ METRIC_NAMES: tuple[str, ...] = (
 
 
 @dataclass
+class Turn:
+    """A follow-up question over the same context, asked after the previous answer (multi-turn tasks)."""
+
+    question: str  # the text appended after the previous answer
+    answer_prefix: str
+    answers: list[str]
+    max_new_tokens: int
+
+
+@dataclass
 class Sample:
     """One prompt with its references. ``prompt`` is the user's turn; ``answer_prefix`` is where the
     model's reply starts (RULER primes the answer this way: after the assistant header in chat mode)."""
@@ -39,6 +49,9 @@ class Sample:
     # Where the question starts in ``prompt`` (a character offset): the query-agnostic protocol compresses
     # what comes before it and asks the rest afterwards. None: the whole prompt is context.
     question_at: int | None = None
+    # Multi-turn tasks: more questions, each asked on the same cache after the previous answer (plain text,
+    # no chat template); the sample's own prompt is turn 1. Each turn is scored on its own.
+    follow_ups: list[Turn] = field(default_factory=list)
 
 
 class PromptFormat:

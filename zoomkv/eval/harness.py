@@ -24,8 +24,8 @@ from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.metrics import score
 from zoomkv.eval.rows import RowStore, row_key
-from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names
-from zoomkv.generation import GenerationResult, MethodRun, generate_methods
+from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
+from zoomkv.generation import GenerationResult, MethodRun, generate_methods, generate_turns
 
 
 @dataclass
@@ -214,7 +214,9 @@ def check_lengths(cfg: EvalConfig, model_max: int, model_name: str) -> None:
     (data prompts are cut to fit instead)."""
     checks = [(t, n) for t in cfg.tasks for n in cfg.lengths] + [(GRID_TASK, n) for n in cfg.grid_lengths]
     for task, length in checks:
-        new = cfg.max_new_tokens or SYNTHETIC_TASKS.get(task, SYNTHETIC_TASKS["niah_single_1"]).max_new_tokens
+        spec = SYNTHETIC_TASKS.get(task, SYNTHETIC_TASKS["niah_single_1"])
+        # a multi-turn task adds each follow-up (a question of ~40 tokens) and its answer
+        new = (cfg.max_new_tokens or spec.max_new_tokens) * spec.turns + 40 * (spec.turns - 1)
         if length + new > model_max:
             raise ZoomKVError(
                 f"length {length} for {task} plus its {new} new tokens is over the maximum context of "
@@ -243,8 +245,28 @@ def _row(sample: Sample, prompt_tokens: int, b: int, run: RunSpec, result: Gener
     }
 
 
+def _turn_rows(model: Any, tokenizer: Any, samples: list[Sample], texts: list[str], contexts: list[str] | None,
+               runs: list[RunSpec], cfg: EvalConfig, fmt: PromptFormat) -> list[dict[str, Any]]:
+    """A multi-turn task's rows: one per turn (labelled TASK.TURN), every turn on the same cache, one sample
+    at a time."""
+    rows = []
+    for b, s in enumerate(samples):
+        lengths = [cfg.max_new_tokens or s.max_new_tokens] + [cfg.max_new_tokens or t.max_new_tokens
+                                                              for t in s.follow_ups]
+        per_run = generate_turns(model, tokenizer, texts[b], [t.question + t.answer_prefix for t in s.follow_ups],
+                                 [r.to_method_run() for r in runs], max_new_tokens=lengths,
+                                 context=None if contexts is None else contexts[b], prefill_chunk=cfg.prefill_chunk)
+        for run, results in zip(runs, per_run, strict=True):
+            for turn, result in enumerate(results, start=1):
+                asked = s if turn == 1 else dataclasses.replace(s, answers=s.follow_ups[turn - 2].answers)
+                row = _row(asked, result.prompt_tokens, 0, run, result, 1, cfg, fmt)
+                row["task"] = row_task(s.task, turn)
+                rows.append(row)
+    return rows
+
+
 def _probe_row(task: str, length: int, depth: float | None, index: int, run: RunSpec) -> dict[str, Any]:
-    return {"task": task, "length": length, "depth": depth, "sample": index, "method": run.method,
+    return {"task": row_task(task), "length": length, "depth": depth, "sample": index, "method": run.method,
             "method_args": run.args, "budget": run.budget}
 
 
@@ -307,6 +329,10 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             new = cfg.max_new_tokens or max(s.max_new_tokens for s in samples)
             # query-agnostic: each prompt's context is compressed first; its question then extends the cache
             contexts = [fmt.context_text(s) for s in samples] if cfg.protocol == "query-agnostic" else None
+            if any(s.follow_ups for s in samples):
+                store.append(_turn_rows(model, tokenizer, samples, texts, contexts, missing, cfg, fmt))
+                bar.update(1)
+                continue
             results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
                                        max_new_tokens=new, chat=False, contexts=contexts,
                                        prefill_chunk=cfg.prefill_chunk)
