@@ -186,7 +186,8 @@ def test_every_method_runs_every_synthetic_task_at_128_and_512(tmp_path, tiny):
     cfg = _cfg(tmp_path / "all", methods=methods, budgets=["128", "512"], tasks=list(SYNTHETIC_TASKS),
                lengths=[700], samples=1, max_new_tokens=2)
     rows = run_eval(cfg, *tiny)
-    assert len(rows) == len(SYNTHETIC_TASKS) * (1 + 2 * len(methods))
+    # one row per task cell and configuration; a multi-turn task has one cell per turn
+    assert len(rows) == sum(t.turns for t in SYNTHETIC_TASKS.values()) * (1 + 2 * len(methods))
     for r in rows:
         assert 0 <= r["score"] <= 100
         # (at 512 of ~700 rows, semantic_id's per-slot key variance can outweigh what it saves)
