@@ -112,3 +112,19 @@ def test_generate_again_on_the_same_cache_answers_about_the_first_turn(smollm2):
                                 do_sample=False, pad_token_id=0, **generate_cache_kwargs(cache))
     assert prompt.answer in tok.decode(second[0, ids2.shape[1]:])
     assert cache.max_device_rows <= 128
+
+
+def test_a_conversation_over_a_compressed_document_answers_every_turn(smollm2):
+    """``zoomkv chat``'s engine on the real model: the document is compressed before any question; both
+    questions are answered from the compressed cache, the second after the first answer stayed in it."""
+    from zoomkv.conversation import Conversation
+    from zoomkv.data.passkey import QUESTION
+
+    model, tok = smollm2
+    prompt = passkey_prompt(tok, 1536, depth=0.6, seed=4)
+    chat = Conversation(model, tok, prompt.text[: -len(QUESTION)], method="oracle_topk", budget=128, chat=False,
+                        max_new_tokens=12)
+    first = chat.ask("What is the pass key?")
+    second = chat.ask("Repeat the pass key.")
+    assert prompt.answer in first and prompt.answer in second, (first, second)
+    assert chat.cache.max_device_rows <= 128

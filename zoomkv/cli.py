@@ -22,6 +22,7 @@ from zoomkv.errors import ZoomKVError
 # (name, module, help), in the order `zoomkv --help` lists them.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("generate", "zoomkv.commands.generate", "generate from a prompt with a KV method and print the memory report"),
+    ("chat", "zoomkv.commands.chat", "talk about a long document compressed once into a persistent cache"),
     ("bench", "zoomkv.commands.bench", "time prefill and decode of methods against full, interleaved, in one process"),
     ("eval", "zoomkv.commands.eval", "evaluate methods × budgets × tasks: accuracy, bytes per tier, decode speed"),
     ("calibrate", "zoomkv.commands.calibrate", "build the offline profile a method needs (compresskv, infinigen)"),

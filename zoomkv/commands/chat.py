@@ -1,0 +1,99 @@
+"""Talk about a long document: it is compressed once into a persistent cache, then every question and
+answer extends that cache. Device and host bytes are printed after each turn. Type /quit (or end the
+input) to leave, /memory for the full memory report.
+
+    zoomkv chat --model smollm2-135m --method oracle_topk --budget 256 --context-file report.txt
+    printf 'What is the pass key?\\nAnd again?\\n' | zoomkv chat --method quest --budget 128 --context-file doc.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from zoomkv.cli_args import parse_method_args
+from zoomkv.errors import ZoomKVError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
+    parser.add_argument("--method", default="full", help="a name from `zoomkv methods`")
+    parser.add_argument("--adapter", default=None, help="a trained adapter folder or Hub id (its method and budget)")
+    parser.add_argument("--budget", default=None, help="device-tier rows per layer per KV head: 512, or 0.1 of the document")
+    parser.add_argument("--method-arg", "--method-args", dest="method_arg", action="append", metavar="KEY=VALUE[,K=V]",
+                        help="override a hyper-parameter of the method (repeatable)")
+    parser.add_argument("--context-file", required=True, help="the document to talk about (UTF-8 text)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="the longest answer, in tokens")
+    parser.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                        help="use the model's chat template (auto: when it has one); off: Question:/Answer: lines")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N", help="compress the document in pieces of N tokens")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+
+
+def _read(path_text: str) -> str:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ZoomKVError(f"context file not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ZoomKVError(f"{path} is not UTF-8 text") from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def memory_line(conversation) -> str:
+    r = conversation.memory_report()
+    full = max(r.full_kv_bytes, 1)
+    return (f"[{conversation.tokens} tokens; device {_mib(r.device_bytes)} ({r.device_bytes / full:.1%} of full KV), "
+            f"host {_mib(r.host_bytes)} ({r.host_bytes / full:.1%})]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from zoomkv.budget import Budget
+    from zoomkv.conversation import Conversation
+    from zoomkv.methods import get_method
+    from zoomkv.models import load_model, parse_dtype, resolve_device
+
+    method_kwargs = parse_method_args(args.method_arg)
+    adapter = None
+    if args.adapter:
+        from zoomkv.adapters.model import ZoomAdapter
+
+        adapter = ZoomAdapter.from_pretrained(args.adapter)
+        method = adapter.make_method(**method_kwargs)
+        if args.budget is None:
+            args.budget = adapter.config.budget
+    else:
+        method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
+    Budget.parse(args.budget)
+    document = _read(args.context_file)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
+    if adapter is not None:
+        adapter.attach(model)
+    conversation = Conversation(model, tokenizer, document, method=method, budget=args.budget,
+                                chat=None if args.chat == "auto" else args.chat == "on",
+                                max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk)
+    interactive = sys.stdin.isatty()
+    print(f"{method.name}: document compressed. {memory_line(conversation)}", flush=True)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/quit", "/exit"):
+            break
+        question = line.strip()
+        if not question:
+            continue
+        if question == "/memory":
+            print(conversation.memory_report().format(), flush=True)
+            continue
+        if not interactive:
+            print(f"> {question}")
+        print(conversation.ask(question))
+        print(memory_line(conversation), flush=True)
+    return 0
