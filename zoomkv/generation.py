@@ -17,6 +17,7 @@ from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import PromptError
 from zoomkv.memory import MemoryReport, ZoomCache
+from zoomkv.memory.replay import cache_from_record, record_prefill
 from zoomkv.models import context_limit
 
 if TYPE_CHECKING:
@@ -214,8 +215,6 @@ def generate_methods(
 
 
 def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None) -> ZoomCache:
-    from zoomkv.memory.replay import cache_from_record
-
     options = {"kv_quant": run.kv_quant, "kv_quant_tiers": run.kv_quant_tiers, "tail_summary": run.tail_summary,
                **run.kwargs}
     if record is not None:
@@ -247,8 +246,6 @@ def _finish(tokenizer: Any, new: torch.Tensor, stop_at_eos: bool) -> list[list[i
 
 def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
                          max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None) -> list[GenerationResult]:
-    from zoomkv.memory.replay import record_prefill
-
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     eos = tokenizer.eos_token_id
     record = None if prefill_chunk else record_prefill(model, ids, mask)
@@ -291,8 +288,6 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
 def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
                     max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
                     max_len: int) -> list[GenerationResult]:
-    from zoomkv.memory.replay import record_prefill
-
     if len(contexts) != len(texts):
         raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
     rests = []

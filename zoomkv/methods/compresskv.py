@@ -62,6 +62,7 @@ from zoomkv.protocol.eviction import (
     window_scores,
 )
 from zoomkv.protocol.method import MethodConfig, PrefillContext
+from zoomkv.protocol.profiles import profile_dir
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -76,8 +77,6 @@ def calibrate_command(model: str | None) -> str:
 
 
 def default_profile_path(model: str) -> Path:
-    from zoomkv.protocol.profiles import profile_dir
-
     return profile_dir(model) / PROFILE_FILE
 
 

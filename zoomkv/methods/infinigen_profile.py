@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.protocol.profiles import profile_dir
 
 PROFILE_FILE = "infinigen.safetensors"
 FORMAT = "zoomkv-infinigen"
@@ -70,8 +71,6 @@ def save_profile(path: Path, layers: dict[int, tuple[torch.Tensor, torch.Tensor]
 def resolve_profile(profile: str | None, model_name: str | None) -> Path:
     """The profile file: ``profile`` as a file, a folder holding one, or a model name; else the profile of
     the model being run. Raises a ZoomKVError naming the calibration command when there is none."""
-    from zoomkv.protocol.profiles import profile_dir
-
     name = model_name or "MODEL"
     command = f"zoomkv calibrate infinigen --model {name}"
     if profile is not None:
