@@ -74,7 +74,7 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
     # warm-up: one short run per configuration so lazy initialisation is not timed
-    for m, b, chunk in configs:
+    for m, b, chunk in [] if getattr(args, "no_warmup", False) else configs:
         _progress(t0, f"warm-up {m}" + (f"@{b}" if b else "") + (f" chunk {chunk}" if chunk else ""))
         run(m, b, chunk, 2)
 

@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", default="", metavar="N[,N...]",
                         help="also run every configuration with chunked prefill (pieces of N tokens) and report its "
                              "peak device memory and prefill time beside the one-shot prefill")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
     parser.add_argument("--json", action="store_true")
 
 
