@@ -175,21 +175,28 @@ def generate_niah_multiturn(fmt: PromptFormat, length: int, index: int, *, seed:
                             essays: Haystack | None = None, depth: float | None = None) -> Sample:
     """Sample ``index`` of the multi-turn NIAH task: ``niah_multiquery``'s context and keys, turn 1 asks for
     the first key's number (singular wording, as niah_single), each follow-up for the next key."""
-    base = generate_niah(MULTITURN_BASE, fmt, length, index, seed=seed, essays=essays, depth=depth)
-    keys = base.meta["keys"]
     one = NiahSpec("essay", "words", "numbers")  # one value asked per turn: RULER's singular wording
 
     def ask(key: str) -> tuple[str, str]:
         return (f"\nWhat is the special magic number for {key} mentioned in the provided text?",
                 f" The special magic number for {key} mentioned in the provided text is")
 
-    question, prefix = ask(keys[0])
-    prompt = base.prompt[: base.question_at] + question  # the plural introduction: several numbers are hidden
+    def first_turn(target: int) -> tuple[Sample, str, str, str]:
+        base = generate_niah(MULTITURN_BASE, fmt, target, index, seed=seed, essays=essays, depth=depth)
+        question, prefix = ask(base.meta["keys"][0])
+        # the plural introduction stays: several numbers are hidden
+        return base, base.prompt[: base.question_at] + question, question, prefix
+
+    # Turn 1 asks for one key, not four: its prompt is shorter than niah_multiquery's at the same length, so
+    # the context is built for the difference more (turn 1 then measures ``length`` like every task).
+    base, prompt, question, prefix = first_turn(length)
+    base, prompt, question, prefix = first_turn(length + length - fmt.measure(prompt, prefix))
+    keys = base.meta["keys"]
     turns = [Turn(*ask(k), [answer], niah_new_tokens(one)) for k, answer in zip(keys[1:], base.answers[1:],
                                                                               strict=True)]
     return Sample(
         task=MULTITURN_TASK, length=length, index=index, prompt=prompt, answer_prefix=prefix,
         answers=base.answers[:1], question_at=base.question_at, metric="string_match_all",
         max_new_tokens=niah_new_tokens(one), depth=base.depth, haystack=base.haystack,
-        meta={**base.meta, "turns": len(keys)}, follow_ups=turns,
+        meta={**base.meta, "keys": keys[:1], "turn_keys": keys, "turns": len(keys)}, follow_ups=turns,
     )
