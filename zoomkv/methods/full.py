@@ -41,6 +41,9 @@ class Full(KVMethod):
         tier["keys"] = torch.cat([tier["keys"], key], dim=2)
         tier["values"] = torch.cat([tier["values"], value], dim=2)
 
+    def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.append(memory, keys, values)  # every row is kept: one concatenation for the whole input
+
     def select(self, memory, query: torch.Tensor) -> Selection:
         keys, values = memory.device_tier["keys"], memory.device_tier["values"]
         if isinstance(keys, RowBuffer):

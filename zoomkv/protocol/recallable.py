@@ -168,6 +168,12 @@ class RecallableMethod(KVMethod):
         append_host_rows(memory, key, value)
         self.index_append(memory, key, value, before)
 
+    def extend(self, memory: Memory, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if is_dense(memory):  # a dense layer keeps every row: one concatenation for the whole input
+            dense_append(memory, keys, values)
+            return
+        super().extend(memory, keys, values)
+
     def select(self, memory: Memory, query: torch.Tensor) -> Selection:
         if is_dense(memory):
             return dense_select(memory)
