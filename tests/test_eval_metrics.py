@@ -117,3 +117,13 @@ def test_metric_registry_matches_the_names_data_files_may_use():
     from zoomkv.eval.metrics import METRICS
 
     assert tuple(METRICS) == METRIC_NAMES
+
+
+def test_wilson_interval_matches_the_published_formula():
+    from zoomkv.eval.summary import wilson
+
+    # Wilson (1927) / Agresti & Coull (1998): 8 of 10 → [0.490, 0.943]; 0 of 10 → [0, 0.278]; 10 of 10 → [0.722, 1]
+    lo, hi = wilson(0.8, 10)
+    assert abs(lo - 0.4902) < 1e-3 and abs(hi - 0.9433) < 1e-3
+    assert wilson(0.0, 10)[0] == 0.0 and abs(wilson(0.0, 10)[1] - 0.2775) < 1e-3
+    assert abs(wilson(1.0, 10)[0] - 0.7225) < 1e-3 and abs(wilson(1.0, 10)[1] - 1.0) < 1e-9

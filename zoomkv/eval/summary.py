@@ -5,6 +5,7 @@ same prompts of the same run."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +38,17 @@ def task_order(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["task"] for r in rows))
 
 
+def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion ``p`` observed over ``n`` samples (exact binomial coverage
+    is close to 95% even at small n and p near 0 or 1, unlike p ± 1.96·sqrt(p(1-p)/n)). A task whose scores
+    are partial (several answers) gets the interval of its mean treated as a proportion."""
+    if n <= 0:
+        return (0.0, 1.0)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 def _sample_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["task"], row["length"], row.get("depth") if row["task"] == GRID_TASK else None, row["sample"])
 
@@ -52,6 +64,8 @@ def aggregate(rows: list[dict[str, Any]], methods: list[str] | None = None) -> l
         rs = groups[(label, budget)]
         per_task = {t: statistics.fmean(r["score"] for r in rs if r["task"] == t)
                     for t in tasks if any(r["task"] == t for r in rs)}
+        counts = {t: sum(1 for r in rs if r["task"] == t) for t in per_task}
+        intervals = {t: [100 * x for x in wilson(per_task[t] / 100, counts[t])] for t in per_task}
         lengths = sorted({r["length"] for r in rs})
         per_length = {n: statistics.fmean(r["score"] for r in rs if r["length"] == n) for n in lengths}
         # decode ratio: summed over the prompts this config shares with full, so both see the same prompts
@@ -61,7 +75,7 @@ def aggregate(rows: list[dict[str, Any]], methods: list[str] | None = None) -> l
         out.append({
             "config": label, "method": rs[0]["method"], "method_args": rs[0].get("method_args") or "",
             "budget": budget or None, "rows": len(rs),
-            "score": per_task, "score_by_length": per_length,
+            "score": per_task, "score_by_length": per_length, "samples": counts, "interval95": intervals,
             "avg": statistics.fmean(per_task.values()),
             "device_mib": statistics.fmean(r["device_bytes"] for r in rs) / 2**20,
             "device_ratio": statistics.fmean(r["device_bytes"] / max(r["full_kv_bytes"], 1) for r in rs),
@@ -96,6 +110,17 @@ def markdown(summary: list[dict[str, Any]], rows: list[dict[str, Any]], header: 
                  _fmt(s["avg"], ".1f"), _fmt(s["device_ratio"], ".1%"), _fmt(s["host_ratio"], ".1%"),
                  _fmt(s["decode_ms_per_token"], ".1f"), _fmt(s["decode_ratio"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## 95% intervals (Wilson, per task cell: score [low–high], samples)", "",
+              "| method | budget | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 2)]
+    for s in summary:
+        cells = []
+        for t in tasks:
+            if t in s["score"]:
+                lo, hi = s["interval95"][t]
+                cells.append(f"{s['score'][t]:.0f} [{lo:.0f}–{hi:.0f}] n={s['samples'][t]}")
+            else:
+                cells.append("–")
+        lines.append(f"| {s['config']} | {s['budget'] or '–'} | " + " | ".join(cells) + " |")
     lengths = sorted({r["length"] for r in rows})
     if len(lengths) > 1:
         lines += ["", "## Score by length (all tasks)", "", "| method | budget | " + " | ".join(map(str, lengths)) + " |",
