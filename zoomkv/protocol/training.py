@@ -37,6 +37,7 @@ class RecipeOptions:
 class MethodTraining:
     recipe_class: ClassVar[type[RecipeOptions]] = RecipeOptions
     report_name: ClassVar[str] = "report"  # the run folder's <report_name>.json holds ``report`` before and after
+    size_hint: ClassVar[str] = "make the modules smaller"  # what to change when they are over the size limit
 
     # -- the modules --------------------------------------------------------------------------------------
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:

@@ -79,8 +79,8 @@ def check_fraction(adapter: torch.nn.Module, shape: ModelShape, cfg: TrainConfig
     if fraction > cfg.max_trainable_fraction:
         raise ConfigError(
             f"the adapter has {n} trainable parameters = {fraction:.3e} of the base model, over "
-            f"max_trainable_fraction={cfg.max_trainable_fraction:g}; lower proj_dim/r_max, set "
-            "share_projector=true, or raise max_trainable_fraction"
+            f"max_trainable_fraction={cfg.max_trainable_fraction:g}; {cfg.training.size_hint}, or raise "
+            "max_trainable_fraction"
         )
     return fraction
 

@@ -188,6 +188,7 @@ _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
 
 class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
+    size_hint = "lower proj_dim/r_max, set share_projector=true"
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
         return build_sekv_modules(shape, hyper)

@@ -145,6 +145,7 @@ def pair_metrics(projector: SemanticProjector, samples: Sequence[Sample], recipe
 class SemanticIDTraining(MethodTraining):
     recipe_class = SemanticIDRecipe
     report_name = "pairs"  # collision rates of equivalent vs other pairs, before and after
+    size_hint = "lower sem_dim/sem_hidden"
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector:
         """One projector shared by every layer and KV head."""
