@@ -8,7 +8,7 @@ function (``zoomkv.memory.attention``) then calls the method's ``compress`` at p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -16,16 +16,13 @@ from transformers.cache_utils import CacheLayerMixin
 from zoomkv.memory.quant import QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
-if TYPE_CHECKING:
-    from zoomkv.memory.cache import ZoomCache
-
 
 class LayerMemory(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, cache: ZoomCache):
+    def __init__(self, layer_idx: int, cache: Any):  # the ZoomCache that owns it (cache.py builds layers)
         super().__init__()
         self.layer_idx = layer_idx
         self.cache = cache
