@@ -125,3 +125,18 @@ def test_methods_name_prints_every_hyper_parameter_with_its_help(capsys):
     assert "page_size=16" in out and "rows per page" in out and "Tang et al." in out
     assert main(["methods", "nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_a_hyper_parameter_of_the_wrong_type_is_refused_by_name(capsys):
+    from zoomkv.errors import ConfigError
+    from zoomkv.methods import get_method
+
+    for bad in ({"page_size": 2.5}, {"page_size": "x"}, {"page_size": True}, {"group_score": 3}):
+        with pytest.raises(ConfigError, match=f"hyper-parameter '{next(iter(bad))}' of method 'quest' must be"):
+            get_method("quest", **bad)
+    assert get_method("quest", page_size=8).config.page_size == 8
+    assert get_method("snapkv", window=16).config.window == 16
+    code = main(["generate", "--model", "tiny-llama", "--method", "quest", "--budget", "64",
+                 "--method-arg", "page_size=abc", "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2 and "page_size" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -9,6 +9,8 @@ memory report), small Python values into ``memory.meta``.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -89,6 +91,37 @@ class MethodConfig:
         return dataclasses.asdict(self)
 
 
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether ``value`` has the type a config field declares (``int``, ``float``, ``str``, ``bool``, unions
+    with None, ``tuple[int, ...]``); an int is a float, a bool is not an int."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_accepts(a, value) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(hint) is tuple:
+        inner = args[0] if args else Any
+        return isinstance(value, tuple | list) and all(_accepts(inner, v) for v in value)
+    if hint is Any or not isinstance(hint, type):
+        return True
+    return isinstance(value, hint)
+
+
+def check_hyperparameters(config_class: type, values: dict[str, Any], method: str) -> None:
+    """A hyper-parameter of the wrong type fails here, naming it, instead of deep inside a step."""
+    hints = typing.get_type_hints(config_class)
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _accepts(hint, value):
+            wanted = getattr(hint, "__name__", None) or str(hint)
+            raise ConfigError(f"hyper-parameter {name!r} of method {method!r} must be {wanted}, "
+                              f"got {type(value).__name__} {value!r}")
+
+
 class KVMethod:
     """Base class of a KV method. Subclasses set ``name``, ``config_class`` and a one-line ``citation``."""
 
@@ -113,8 +146,10 @@ class KVMethod:
                 raise ConfigError(
                     f"unknown hyper-parameter(s) {unknown} for method {self.name!r}; valid: {sorted(fields)}"
                 )
+            check_hyperparameters(self.config_class, overrides, self.name)
             config = self.config_class(**overrides)
         elif overrides:
+            check_hyperparameters(type(config), overrides, self.name)
             config = dataclasses.replace(config, **overrides)
         self.config = config
 
