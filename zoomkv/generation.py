@@ -17,7 +17,7 @@ from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import PromptError
 from zoomkv.memory import MemoryReport, ZoomCache
-from zoomkv.memory.replay import cache_from_record, record_prefill
+from zoomkv.memory.replay import cache_from_record, prefill_positions, record_prefill
 from zoomkv.models import context_limit
 
 if TYPE_CHECKING:
@@ -236,12 +236,29 @@ def _decode(model: Any, tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, mas
     return out[:, ids.shape[1]:], clock.times
 
 
-def _finish(tokenizer: Any, new: torch.Tensor, stop_at_eos: bool) -> list[list[int]]:
+def _step_ms(stamps: list[float]) -> float:
+    """Mean time per decode step after the first stamp (which ends the pass over the new input)."""
+    steps = len(stamps) - 1
+    return (stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0
+
+
+def _result(tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, new: torch.Tensor, prefill_s: float,
+            decode_ms: float, stop_at_eos: bool) -> GenerationResult:
     token_ids = new.tolist()
     eos = tokenizer.eos_token_id
     if stop_at_eos and eos is not None:  # a row whose first token was EOS is finished there
         token_ids = [row[: row.index(eos) + 1] if eos in row else row for row in token_ids]
-    return token_ids
+    return GenerationResult(
+        texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
+        prompt_tokens=ids.shape[1],
+        new_tokens=new.shape[1],
+        prefill_s=prefill_s,
+        decode_ms_per_token=decode_ms,
+        memory=cache.memory_report(),
+        token_ids=token_ids,
+        cache=cache,
+        sequence=torch.cat([ids, new], dim=1),
+    )
 
 
 def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
@@ -256,8 +273,7 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
         if record is None:  # chunked: the prefill is this method's own, timed to its first token
             new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
             prefill_s = stamps[0] - start if stamps else time.perf_counter() - start
-            steps = len(stamps) - 1
-            decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0
+            decode_ms = _step_ms(stamps)
         else:
             first = record.last_logits.argmax(dim=-1, keepdim=True)  # greedy: the same for every method
             prefill_s = record.prefill_s
@@ -270,18 +286,7 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
                 new, stamps = first, []
             elapsed = time.perf_counter() - start
             decode_ms = elapsed / len(stamps) * 1000 if stamps else 0.0
-        token_ids = _finish(tokenizer, new, stop_at_eos)
-        results.append(GenerationResult(
-            texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
-            prompt_tokens=ids.shape[1],
-            new_tokens=new.shape[1],
-            prefill_s=prefill_s,
-            decode_ms_per_token=decode_ms,
-            memory=cache.memory_report(),
-            token_ids=token_ids,
-            cache=cache,
-            sequence=torch.cat([ids, new], dim=1),
-        ))
+        results.append(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos))
     return results
 
 
@@ -321,25 +326,13 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
         start = time.perf_counter()
         if record is None:  # this method's own (chunked) prefill of the context, without the question
             model(input_ids=ctx["input_ids"], attention_mask=ctx["attention_mask"], use_cache=True, logits_to_keep=1,
-                  position_ids=(ctx["attention_mask"].long().cumsum(-1) - 1).masked_fill_(ctx["attention_mask"] == 0, 1),
+                  position_ids=prefill_positions(ctx["attention_mask"]),
                   **compat.generate_cache_kwargs(cache))
         prefill_s = record.prefill_s if record is not None else time.perf_counter() - start
         start = time.perf_counter()
         new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
-        steps = len(stamps) - 1  # the first stamp ends the question's pass through the compressed cache
-        decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0
-        token_ids = _finish(tokenizer, new, stop_at_eos)
-        results.append(GenerationResult(
-            texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
-            prompt_tokens=ids.shape[1],
-            new_tokens=new.shape[1],
-            prefill_s=prefill_s,
-            decode_ms_per_token=decode_ms,
-            memory=cache.memory_report(),
-            token_ids=token_ids,
-            cache=cache,
-            sequence=torch.cat([ids, new], dim=1),
-        ))
+        decode_ms = _step_ms(stamps)  # the first stamp ends the question's pass through the compressed cache
+        results.append(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos))
     return results
 
 
@@ -373,17 +366,10 @@ def generate_turns(
             ids = torch.cat([ids, extra], dim=1)
             start = time.perf_counter()
             new, stamps = _decode(model, tokenizer, cache, ids, torch.ones_like(ids), new_tokens, stop_at_eos)
-            steps = len(stamps) - 1  # the first stamp ends the follow-up's pass through the compressed cache
-            token_ids = _finish(tokenizer, new, stop_at_eos)
-            turns.append(GenerationResult(
-                texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
-                prompt_tokens=ids.shape[1],
-                new_tokens=new.shape[1],
-                prefill_s=(stamps[0] if stamps else time.perf_counter()) - start,
-                decode_ms_per_token=(stamps[-1] - stamps[0]) / steps * 1000 if steps > 0 else 0.0,
-                memory=cache.memory_report(),
-                token_ids=token_ids,
-            ))
-            ids = torch.cat([ids, new], dim=1)
+            # the first stamp ends the follow-up's pass through the compressed cache
+            turn = _result(tokenizer, cache, ids, new, (stamps[0] if stamps else time.perf_counter()) - start,
+                           _step_ms(stamps), stop_at_eos)
+            turns.append(turn)
+            ids = turn.sequence
         out.append(turns)
     return out

@@ -43,6 +43,11 @@ class PrefillRecord:
 
 
 @torch.inference_mode()
+def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions as generate() computes them: left padding does not shift the real tokens' positions."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+
+
 def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillRecord:
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -52,8 +57,7 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     norm = compat.final_norm(model)
     handle = norm.register_forward_hook(lambda m, a, out: captured.update(hidden=out)) if norm is not None else None
     start = time.perf_counter()
-    # Positions as generate() computes them: left padding does not shift the real tokens' positions.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+    position_ids = prefill_positions(attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=1, **compat.generate_cache_kwargs(cache))
     elapsed = time.perf_counter() - start
