@@ -56,7 +56,7 @@ REUSE_SCORES = "reuse_scores"
 @dataclass
 class ChunkKVConfig(MethodConfig):
     window: int = field(default=32, metadata={"help": "observation window, as SnapKV"})
-    chunk_size: int = field(default=10, metadata={"help": "paper default"})
+    chunk_size: int = field(default=10, metadata={"help": "rows per chunk: a chunk is kept or evicted whole (paper default)"})
     reuse_layers: int = field(
         default=2,
         metadata={"help": "layer-wise index reuse: groups of this many compressed layers share indices"},

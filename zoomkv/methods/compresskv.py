@@ -158,7 +158,7 @@ def error_budgets(errors: tuple[float, ...], budget: int, floor: int = 32, cap_f
 class CompressKVConfig(MethodConfig):
     window: int = field(default=8, metadata={"help": "observation window of prompt queries (paper: 8)"})
     kernel_size: int = field(default=5, metadata={"help": "pooling kernel (paper: 5)"})
-    pooling: str = field(default="avg", metadata={"help": "the authors' default: average pooling"})
+    pooling: str = field(default="avg", metadata={"help": "pooling of the window votes (the authors' default: average)"})
     top_heads: int = field(default=4, metadata={"help": "semantic retrieval heads per layer (paper: 4)"})
     min_layer_budget: int = field(default=32, metadata={"help": "floor of a layer's rows (paper: 32)"})
     max_layer_factor: int = field(

@@ -91,7 +91,7 @@ class SemantiCacheConfig(MethodConfig):
     )
     boundary_token_ids: tuple[int, ...] | None = field(
         default=None,
-        metadata={"help": "None: from ctx.tokenizer"},
+        metadata={"help": "token ids that end a chunk (None: found from ctx.tokenizer)"},
     )
     segment_length: int = field(
         default=16,

@@ -58,8 +58,8 @@ from zoomkv.methods._segments import (
 )
 from zoomkv.methods.snapkv import SnapKV
 from zoomkv.protocol.eviction import check_pooling, gather_rows
-from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.protocol.recallable import kv_rows, padding_bias, recall_rows, reserve_recall_buffer
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query, kv_rows
+from zoomkv.protocol.recallable import padding_bias, recall_rows, reserve_recall_buffer
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -84,7 +84,7 @@ class SentenceKVConfig(MethodConfig):
     pooling: str = field(default="max", metadata={"help": "prefilter: pooling (paper code: max)"})
     boundary_token_ids: tuple[int, ...] | None = field(
         default=None,
-        metadata={"help": "None: from ctx.tokenizer"},
+        metadata={"help": "token ids that end a sentence (None: found from ctx.tokenizer)"},
     )
     segment_length: int = field(
         default=24,

@@ -13,7 +13,7 @@ reconstructed rows by ``z`` in one softmax, rank components by their gate.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -146,35 +146,21 @@ def ramp(step: int, ramp_steps: int) -> float:
 class SeKVRecipe(RecipeOptions):
     """sekv's own recipe keys (the generic ones, budget and recent among them, are the trainer's)."""
 
-    proj_dim: int | str = field(
-        default="auto",
-        metadata={"help": "semantic projector width; \"auto\" sizes it under max_trainable_fraction"},
-    )
+    proj_dim: int | str = "auto"  # semantic projector width; "auto" sizes it under max_trainable_fraction
     share_projector: bool | str = "auto"
     r_max: int = 32
-    sinks: int = field(
-        default=4,
-        metadata={"help": "sekv's inference hyper-parameters, used to cut spans exactly as inference does (recent: the trainer's)"},
-    )
+    # sekv's inference hyper-parameters, used to cut spans exactly as inference does (recent: the trainer's)
+    sinks: int = 4
     chunk: int = 8
     min_span: int = 4
     max_span: int = 8
     anchor_fraction: float = 0.1
-    proj_lr: float = field(
-        default=0.001,
-        metadata={"help": "the semantic projector: it rescales logits, so it moves much more gently"},
-    )
-    rho: float = field(
-        default=0.9,
-        metadata={"help": "zoom supervision: the smallest span set covering rho of the teacher's span mass"},
-    )
+    proj_lr: float = 0.001  # the semantic projector: it rescales logits, so it moves much more gently
+    rho: float = 0.9  # zoom supervision: the smallest span set covering rho of the teacher's span mass
     w_kl: float = 1.0
     w_out: float = 1.0
     w_zoom: float = 0.5
-    w_route: float = field(
-        default=0.5,
-        metadata={"help": "listwise: the router's ranking of spans vs the teacher's span mass"},
-    )
+    w_route: float = 0.5  # listwise: the router's ranking of spans vs the teacher's span mass
     w_anchor: float = 0.1
     w_rank: float = 0.01
     w_budget: float = 0.1

@@ -85,8 +85,8 @@ from zoomkv.methods.semantic_id.merging import (
     token_hints,
 )
 from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
-from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.protocol.recallable import append_host_rows, host_length, kv_rows, store_host_rows
+from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query, kv_rows
+from zoomkv.protocol.recallable import append_host_rows, host_length, store_host_rows
 
 if TYPE_CHECKING:
     from zoomkv.memory.layer import LayerMemory
@@ -127,7 +127,7 @@ class SemanticIDConfig(MethodConfig):
         default=None,
         metadata={"help": "Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init."},
     )
-    seed: int = field(default=0, metadata={"help": "of the SimHash hyperplanes"})
+    seed: int = field(default=0, metadata={"help": "seed of the SimHash hyperplanes"})
 
     def __post_init__(self) -> None:
         if self.sem_dim < 1 or self.hidden < 2 * self.sem_dim:

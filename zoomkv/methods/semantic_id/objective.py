@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,10 +40,7 @@ class SemanticIDRecipe(RecipeOptions):
     sem_dim: int = 16
     sem_hidden: int = 32
     id_bits: int = 6
-    pair_rows: int = field(
-        default=192,
-        metadata={"help": "rows sampled per layer and step; every pair among them is a training pair"},
-    )
+    pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
 
 
 def method_config(recipe: Any) -> SemanticIDConfig:
