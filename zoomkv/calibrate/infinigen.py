@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zoomkv.data.files import read_text_file
 from zoomkv.errors import ZoomKVError
 from zoomkv.methods.infinigen_profile import PROFILE_FILE, save_profile, skew_and_channels
 
@@ -81,13 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 16:
         raise ZoomKVError(f"--tokens must be at least 16, got {args.tokens}")
-    if args.text_file is not None:
-        path = Path(args.text_file)
-        if not path.is_file():
-            raise ZoomKVError(f"calibration text not found: {path}")
-        text = path.read_text(encoding="utf-8")
-    else:
-        text = default_text()
+    text = default_text() if args.text_file is None else read_text_file(args.text_file, "calibration text")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     ids = calibration_ids(tokenizer, text, args.tokens).to(model.device)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from zoomkv.cli_args import parse_method_args
-from zoomkv.errors import ZoomKVError
+from zoomkv.data.files import read_text_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,16 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, metavar="N", help="compress the document in pieces of N tokens")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
-
-
-def _read(path_text: str) -> str:
-    path = Path(path_text)
-    if not path.is_file():
-        raise ZoomKVError(f"context file not found: {path}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ZoomKVError(f"{path} is not UTF-8 text") from None
 
 
 def _mib(n: int) -> str:
@@ -71,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
     Budget.parse(args.budget)
-    document = _read(args.context_file)
+    document = read_text_file(args.context_file, "context file")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     if adapter is not None:
         adapter.attach(model)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from zoomkv.cli_args import parse_method_args
+from zoomkv.data.files import read_text_file
 from zoomkv.errors import ZoomKVError
 
 
@@ -63,13 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ZoomKVError(f"--kv-quant-tiers all is not supported by {method.name!r} (only by: full)")
     if args.prompt is None and args.prompt_file is None:
         raise ZoomKVError("give the prompt with --prompt TEXT or --prompt-file FILE")
-    if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise ZoomKVError(f"prompt file not found: {path}")
-        prompt = path.read_text(encoding="utf-8")
-    else:
-        prompt = args.prompt
+    prompt = args.prompt if args.prompt_file is None else read_text_file(args.prompt_file, "prompt file")
     if not prompt.strip():
         raise ZoomKVError("the prompt is empty")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))

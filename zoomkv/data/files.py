@@ -56,3 +56,15 @@ def load_data(spec: str, fmt: str = "auto") -> list[DataTask]:
         task, record = parse(path, line, obj, default)
         groups.setdefault(name or task, []).append(record)
     return [LongBenchTask(task, str(path), recs) for task, recs in groups.items()]
+
+
+def read_text_file(path_text: str | Path, what: str) -> str:
+    """A UTF-8 text file the user named (a prompt, a document, calibration text), or one ZoomKVError
+    saying what is wrong: ``{what} not found: PATH`` or ``PATH is not UTF-8 text``."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise ZoomKVError(f"{what} not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ZoomKVError(f"{path} is not UTF-8 text") from None
