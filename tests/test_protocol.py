@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.helpers import load_tiny
 from zoomkv.data.sample import PromptFormat
@@ -14,14 +13,6 @@ from zoomkv.errors import ZoomKVError
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder
 from zoomkv.generation import MethodRun, generate_methods
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("task", [*SYNTHETIC_TASKS, GRID_TASK])

@@ -89,7 +89,7 @@ class ClusterKV(RecallableMethod):
         return self.config.num_sinks + 2  # sinks, one pending (the newest) row, one recalled row
 
     # Device rows: one KV buffer (sinks + recall region + pending rows) at its allocated capacity, held as
-    # "keys" (RecallableMethod.device_rows); centroids and sizes are metadata: counted in bytes, not rows.
+    # "keys" (KVMethod.device_rows); centroids and sizes are metadata: counted in bytes, not rows.
 
     # -- prefill ----------------------------------------------------------------------------------------
     def build_index(self, memory, ctx: PrefillContext) -> None:

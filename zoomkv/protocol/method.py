@@ -91,12 +91,13 @@ class MethodConfig:
         return dataclasses.asdict(self)
 
 
-def _accepts(hint: Any, value: Any) -> bool:
+def value_fits(hint: Any, value: Any) -> bool:
     """Whether ``value`` has the type a config field declares (``int``, ``float``, ``str``, ``bool``, unions
-    with None, ``tuple[int, ...]``); an int is a float, a bool is not an int."""
+    with None, ``tuple[int, ...]``); an int is a float, a bool is not an int. Method configs and training
+    recipes are both checked with it."""
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return any(_accepts(a, value) for a in args)
+        return any(value_fits(a, value) for a in args)
     if hint is type(None):
         return value is None
     if hint is float:
@@ -105,7 +106,7 @@ def _accepts(hint: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if typing.get_origin(hint) is tuple:
         inner = args[0] if args else Any
-        return isinstance(value, tuple | list) and all(_accepts(inner, v) for v in value)
+        return isinstance(value, tuple | list) and all(value_fits(inner, v) for v in value)
     if hint is Any or not isinstance(hint, type):
         return True
     return isinstance(value, hint)
@@ -116,10 +117,20 @@ def check_hyperparameters(config_class: type, values: dict[str, Any], method: st
     hints = typing.get_type_hints(config_class)
     for name, value in values.items():
         hint = hints.get(name)
-        if hint is not None and not _accepts(hint, value):
+        if hint is not None and not value_fits(hint, value):
             wanted = getattr(hint, "__name__", None) or str(hint)
             raise ConfigError(f"hyper-parameter {name!r} of method {method!r} must be {wanted}, "
                               f"got {type(value).__name__} {value!r}")
+
+
+def kv_rows(value: object) -> int:
+    """Rows per KV head a device-tier KV buffer (a tensor or a row buffer) occupies: its allocated capacity,
+    since that is what is held."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.shape[2]
+    return value.capacity
 
 
 class KVMethod:
@@ -210,12 +221,7 @@ class KVMethod:
 
     def device_rows(self, memory: Memory) -> int:
         """KV rows per KV head this layer holds on the device tier now (resident + recall buffers)."""
-        rows = 0
-        for name in ("keys", "recall_keys"):
-            t = memory.device_tier.get(name)
-            if t is not None:
-                rows += t.shape[2] if isinstance(t, torch.Tensor) else t.capacity
-        return rows
+        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
 
 
 def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

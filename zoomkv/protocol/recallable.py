@@ -23,16 +23,6 @@ from zoomkv.errors import ConfigError
 from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, Selection
 
 
-def kv_rows(value: object) -> int:
-    """Rows per KV head a device-tier KV buffer (a tensor or a row buffer) occupies: its allocated capacity,
-    since that is what is held."""
-    if value is None:
-        return 0
-    if isinstance(value, torch.Tensor):
-        return value.shape[2]
-    return value.capacity
-
-
 # -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
 def keep_dense(memory: Memory, ctx: PrefillContext) -> None:
     memory.meta["dense"] = True
@@ -144,14 +134,11 @@ class RecallableMethod(KVMethod):
     """
 
     recallable = True
+    # device_rows is KVMethod's: dense layers hold "keys", compressed layers only the recall buffer (an
+    # index is metadata, counted in bytes but not in rows).
 
     def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
         return layer_idx < self.config.dense_layers
-
-    def device_rows(self, memory: Memory) -> int:
-        # Dense layers hold "keys"; compressed layers hold only the recall buffer (an index is metadata,
-        # counted in bytes but not in rows).
-        return kv_rows(memory.device_tier.get("keys")) + kv_rows(memory.device_tier.get("recall_keys"))
 
     def compress(self, memory: Memory, ctx: PrefillContext) -> None:
         if self.dense_layer(ctx.layer_idx, ctx.num_layers):

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from zoomkv.errors import ConfigError
+from zoomkv.protocol.method import value_fits
 from zoomkv.protocol.registry import TRAINING, get_training
 from zoomkv.protocol.training import MethodTraining
 
@@ -88,19 +89,16 @@ FILE_KEYS = ("init_adapter",)
 
 def _check_type(key: str, value: Any, hint: Any, choices: dict[str, tuple[Any, ...]]) -> Any:
     allowed = typing.get_args(hint) or (hint,)
-    for t in allowed:
-        if t is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if t is int and isinstance(value, bool):
-            continue
-        if isinstance(value, t):
-            if isinstance(value, str) and key in choices and value not in choices[key]:
-                others = [a.__name__ for a in allowed if a is not str]
-                raise ConfigError(f"recipe key {key!r}: {value!r} is not valid; expected "
-                                  f"{' or '.join([*others, f'one of {list(choices[key])}'])}")
-            return value
-    names = " or ".join(a.__name__ for a in allowed)
-    raise ConfigError(f"recipe key {key!r}: expected {names}, got {type(value).__name__} {value!r}")
+    if not value_fits(hint, value):
+        names = " or ".join(a.__name__ for a in allowed)
+        raise ConfigError(f"recipe key {key!r}: expected {names}, got {type(value).__name__} {value!r}")
+    if isinstance(value, str) and key in choices and value not in choices[key]:
+        others = [a.__name__ for a in allowed if a is not str]
+        raise ConfigError(f"recipe key {key!r}: {value!r} is not valid; expected "
+                          f"{' or '.join([*others, f'one of {list(choices[key])}'])}")
+    if float in allowed and int not in allowed and isinstance(value, int):
+        return float(value)  # an int where a float is expected
+    return value
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
