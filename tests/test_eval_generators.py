@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from zoomkv.data.haystack import essay_haystack
+from zoomkv.data.haystack import text_haystack
 from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names
@@ -43,7 +43,7 @@ def essays(tmp_path_factory):
     (folder / "a.txt").write_text(ESSAY * 40)
     (folder / "b.md").write_text(ESSAY.upper() * 40)
     (folder / "skip.bin").write_bytes(b"\x00\x01")
-    return essay_haystack(folder)
+    return text_haystack(str(folder))
 
 
 def _builder(tok, chat=False, essays=None, seed=0):
@@ -148,11 +148,30 @@ def test_deterministic_and_seeded(byte_tok):
     assert c.answers != a.answers
 
 
-def test_essay_fallback_is_recorded(byte_tok, essays):
-    without = _builder(byte_tok)[1].build("niah_single_2", 1024, 0)
+def test_prose_haystack_by_default(byte_tok, essays):
+    """RULER's essay tasks run on the shipped King James Bible unless the user names other prose (or
+    noise), and every row records which."""
+    default = _builder(byte_tok)[1].build("niah_single_2", 1024, 0)
     with_essays = _builder(byte_tok, essays=essays)[1].build("niah_single_2", 1024, 0)
-    assert "fallback" in without.haystack and "grass is green" in without.prompt
-    assert with_essays.haystack.startswith("essay (2 files") and "stubbornness" in with_essays.prompt
+    noise = _builder(byte_tok, essays=text_haystack("noise"))[1].build("niah_single_2", 1024, 0)
+    assert default.haystack == "prose (kjv)" and "In the beginning God created" in default.prompt
+    assert with_essays.haystack.startswith("prose (") and "stubbornness" in with_essays.prompt
+    assert noise.haystack == "noise" and "grass is green" in noise.prompt
+
+
+def test_prose_haystack_sources(tmp_path):
+    """Any text source gives a haystack: a JSONL file with another field, a saved dataset."""
+    import datasets
+
+    rows = [{"body": f"Paragraph {i} tells of a lighthouse keeper and the long winter. " * 5} for i in range(20)]
+    (tmp_path / "t.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    hay = text_haystack(str(tmp_path / "t.jsonl"), field="body")
+    assert hay.kind == "prose" and hay.take(3) == ["Paragraph", "0", "tells"]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert text_haystack(str(tmp_path / "saved"), field="body").words == hay.words
+    with pytest.raises(ZoomKVError, match="no field 'text'; its fields: body"):
+        text_haystack(str(tmp_path / "t.jsonl"))
+    assert len(text_haystack("python-docs").words) > 50_000
 
 
 def test_grid_sample_is_labelled(byte_tok):
@@ -165,5 +184,5 @@ def test_bad_requests(byte_tok, tmp_path):
         _builder(byte_tok)[1].build("niah_multiquery", 300, 0)
     with pytest.raises(ZoomKVError, match="niah_single_1.*vt"):
         check_task_names(["niah_single_1", "nope"])
-    with pytest.raises(ZoomKVError, match="no text files"):
-        essay_haystack(tmp_path)
+    with pytest.raises(ZoomKVError, match="neither a saved dataset nor text files"):
+        text_haystack(str(tmp_path))

@@ -50,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return EvalConfig(
         model=args.model, out=args.out, methods=_split(args.methods), budgets=_split(args.budgets), tasks=tasks,
         lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
-        haystack_dir=args.haystack_dir, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
+        haystack=args.haystack, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
         grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_scoped_method_args(args.method_args),
         adapters=[a for group in args.adapter or [] for a in _split(group)],
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
@@ -78,7 +78,7 @@ def list_tasks() -> None:
     from zoomkv.eval.tasks import SYNTHETIC_TASKS
 
     for task in SYNTHETIC_TASKS.values():
-        print(f"{task.name:16s} {task.description}{'  [uses --haystack-dir]' if task.essay else ''}")
+        print(f"{task.name:16s} {task.description}{'  [uses --haystack]' if task.essay else ''}")
     print(f"{'niah_grid':16s} single needle over --grid-lengths × --grid-depths (a heatmap per method)")
     print("--data [NAME=]FILE.jsonl   LongBench format, plain {prompt, answers, ...}, or GSM8K {question, answer}")
 
@@ -109,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="[NAME=]FILE.jsonl",
                         help="a JSONL task file (LongBench, plain or GSM8K format; repeatable)")
     parser.add_argument("--data-format", default="auto", choices=["auto", "longbench", "plain", "gsm8k"])
-    parser.add_argument("--haystack-dir", help="folder of your own text files for the essay haystack (else noise)")
+    parser.add_argument("--haystack", "--haystack-dir", dest="haystack", default="kjv", metavar="SOURCE",
+                        help="the prose of RULER's essay tasks: kjv (shipped, the default), python-docs, noise, a "
+                             "folder of .txt/.md files, a JSONL/Parquet/CSV file or a dataset (field 'text')")
     parser.add_argument("--grid-lengths", help="NIAH grid context lengths, comma-separated")
     parser.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
     parser.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",

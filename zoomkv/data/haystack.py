@@ -1,4 +1,6 @@
-"""Haystacks: RULER's repeated noise sentences, or the user's own essays (a folder of text files).
+"""Haystacks: RULER's repeated noise sentences, or prose — the shipped King James Bible by default, or
+any text source the user names (a folder of essays, a JSONL file, a saved or Hub dataset; see
+``zoomkv.data.sources``).
 
 A haystack is a word stream cut to any length, so prompts hit a target token count within a word or
 two. Needles go in at sentence boundaries (the one nearest the requested depth), never mid-sentence.
@@ -6,24 +8,30 @@ two. Needles go in at sentence boundaries (the one nearest the requested depth),
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from pathlib import Path
 
+from zoomkv.data.sources import iter_texts
 from zoomkv.errors import ZoomKVError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-TEXT_SUFFIXES = (".txt", ".md", ".text")
-NOISE_FALLBACK = "noise (fallback: no --haystack-dir given)"
+# The prose RULER's essay tasks run on when the user names none: natural text that installs offline, and
+# not the corpus the quickstart recipe trains on (python-docs), so evaluation is on text training never saw.
+DEFAULT_PROSE = "kjv"
+# A haystack longer than this many words is cut: 128K-token prompts need about 100K words.
+MAX_WORDS = 400_000
 
 
 @dataclass(frozen=True)
 class Haystack:
-    kind: str  # "noise" or "essay"
+    kind: str  # "noise" or "prose"
     words: tuple[str, ...]
     note: str  # what result rows record as their haystack
 
     def take(self, n: int) -> list[str]:
         """The first ``n`` words, repeating the stream when it is shorter (as RULER repeats its essays)."""
+        if n <= len(self.words):
+            return list(self.words[:n])
         reps, rest = divmod(n, len(self.words))
         return list(self.words) * reps + list(self.words[:rest])
 
@@ -32,30 +40,32 @@ def noise_haystack(note: str = "noise") -> Haystack:
     return Haystack("noise", tuple(NOISE.split()), note)
 
 
-def essay_haystack(folder: str | Path) -> Haystack:
-    """Every text file under ``folder`` (sorted, recursive), read as one stream of words."""
-    root = Path(folder).expanduser()
-    if not root.is_dir():
-        raise ZoomKVError(f"--haystack-dir {root} is not a folder")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-    if not files:
-        raise ZoomKVError(f"--haystack-dir {root} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+@functools.lru_cache(maxsize=4)
+def _source_words(source: str, field: str) -> tuple[str, ...]:
     words: list[str] = []
-    for path in files:
-        try:
-            words.extend(path.read_text(encoding="utf-8", errors="replace").split())
-        except OSError as err:
-            raise ZoomKVError(f"cannot read haystack file {path}: {err}") from err
+    for text in iter_texts(source, field=field):
+        words.extend(text.split())
+        if len(words) >= MAX_WORDS:
+            break
+    return tuple(words[:MAX_WORDS])
+
+
+def text_haystack(source: str = DEFAULT_PROSE, field: str = "text") -> Haystack:
+    """The words of ``source``'s records (in order, the text of ``field``), or RULER's noise for
+    ``"noise"``. Refuses a source of under 50 words."""
+    if source == "noise":
+        return noise_haystack()
+    words = _source_words(source, field)
     if len(words) < 50:
-        raise ZoomKVError(f"--haystack-dir {root}: its {len(files)} text file(s) hold only {len(words)} words")
-    return Haystack("essay", tuple(words), f"essay ({len(files)} files from {root})")
+        raise ZoomKVError(f"haystack {source}: its text holds only {len(words)} words")
+    return Haystack("prose", words, f"prose ({source})")
 
 
-def pick_haystack(kind: str, essays: Haystack | None) -> Haystack:
-    """The haystack a task asks for: essays when it wants them and the user gave some, else noise
-    (recorded as a fallback, so results never pass a noise run off as an essay run)."""
+def pick_haystack(kind: str, prose: Haystack | None) -> Haystack:
+    """The haystack a task asks for: for RULER's essay tasks the given prose (the shipped default when
+    none is given), else noise."""
     if kind == "essay":
-        return essays if essays is not None else noise_haystack(NOISE_FALLBACK)
+        return prose if prose is not None else text_haystack()
     return noise_haystack()
 
 

@@ -19,7 +19,7 @@ import torch
 
 from zoomkv.budget import Budget
 from zoomkv.data.files import DataTask, load_data
-from zoomkv.data.haystack import Haystack, essay_haystack
+from zoomkv.data.haystack import DEFAULT_PROSE, Haystack, text_haystack
 from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.metrics import score
@@ -39,7 +39,7 @@ class EvalConfig:
     samples: int = 4
     data: list[str] = field(default_factory=list)
     data_format: str = "auto"
-    haystack_dir: str | None = None
+    haystack: str = DEFAULT_PROSE  # the prose of the essay tasks: a data source, or "noise"
     grid_lengths: list[int] = field(default_factory=list)
     grid_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     method_args: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -199,7 +199,9 @@ def prepare(cfg: EvalConfig) -> Prepared:
         raise ZoomKVError(f"data task name(s) {', '.join(clash)} clash with built-in tasks; name them NAME=FILE")
     if not cfg.tasks and not data and not cfg.grid_lengths:
         raise ZoomKVError("nothing to evaluate: give --tasks, --data or --grid-lengths")
-    essays = essay_haystack(cfg.haystack_dir) if cfg.haystack_dir else None
+    # the prose is loaded only when a task runs on it (a first load of the shipped corpus takes a second)
+    wants_prose = bool(cfg.grid_lengths) or any(SYNTHETIC_TASKS[t].essay for t in cfg.tasks)
+    essays = text_haystack(cfg.haystack) if wants_prose else None
     groups: list[tuple[str, int, float | None, int]] = []
     for length in cfg.lengths:
         groups += [(t, length, None, cfg.samples) for t in cfg.tasks]
@@ -300,7 +302,7 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
-                "max_new_tokens": cfg.max_new_tokens, "haystack_dir": cfg.haystack_dir, "protocol": cfg.protocol,
+                "max_new_tokens": cfg.max_new_tokens, "haystack": cfg.haystack, "protocol": cfg.protocol,
                 "prefill_chunk": cfg.prefill_chunk}
     store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)

@@ -34,13 +34,13 @@ def row_task(task: str, turn: int = 1) -> str:
 
 _DESCRIPTIONS = {
     "niah_single_1": "one number under a word key, noise haystack",
-    "niah_single_2": "one number under a word key, essay haystack",
-    "niah_single_3": "one uuid under a word key, essay haystack",
-    "niah_multikey_1": "one of 4 keyed numbers asked for, essay haystack",
+    "niah_single_2": "one number under a word key, prose haystack",
+    "niah_single_3": "one uuid under a word key, prose haystack",
+    "niah_multikey_1": "one of 4 keyed numbers asked for, prose haystack",
     "niah_multikey_2": "one number among a haystack of other keyed numbers",
     "niah_multikey_3": "one uuid under a uuid key among a haystack of other keyed uuids",
-    "niah_multivalue": "all 4 numbers hidden under one key, essay haystack",
-    "niah_multiquery": "the numbers of 4 keys at once, essay haystack",
+    "niah_multivalue": "all 4 numbers hidden under one key, prose haystack",
+    "niah_multiquery": "the numbers of 4 keys at once, prose haystack",
     MULTITURN_TASK: "4 turns on one compressed context: one key's number per turn, each answer kept (scored per turn)",
     "vt": "variable tracking: every variable a value reaches through a 4-hop chain",
     "cwe": "common words: the 10 most frequent words of a numbered list",
@@ -53,7 +53,7 @@ class SyntheticTask:
     name: str
     description: str
     generate: Callable[..., Sample]  # (fmt, length, index, *, seed, depth) -> Sample
-    essay: bool  # uses --haystack-dir when given
+    essay: bool  # runs on the prose of --haystack
     max_new_tokens: int  # per turn
     turns: int = 1  # a multi-turn task's rows are labelled TASK.1, TASK.2, ... (one per turn)
 
@@ -94,8 +94,8 @@ class TaskBuilder:
     def build(self, task: str, length: int, index: int, depth: float | None = None) -> Sample:
         if task in self.data:
             return self.data[task].build(self.fmt, length, index, model_max=self.model_max, seed=self.seed)
-        if task == GRID_TASK:  # single needle; on the user's essays when given, as niah_single_2 does
-            base = "niah_single_2" if self.essays is not None else "niah_single_1"
+        if task == GRID_TASK:  # single needle; on the prose haystack, as niah_single_2 does (noise if asked)
+            base = "niah_single_2" if self.essays is not None and self.essays.kind == "prose" else "niah_single_1"
             return generate_niah(base, self.fmt, length, index, seed=self.seed, essays=self.essays, depth=depth,
                                  name=GRID_TASK)
         spec = SYNTHETIC_TASKS[task]
