@@ -43,7 +43,7 @@ def test_recipe_errors_name_the_key_and_the_choices(tmp_path):
         load_recipe(TINY, ["proj_dim=big"])
     with pytest.raises(ConfigError, match=r"'init_adapter': file or folder not found"):
         load_recipe(TINY, [f"init_adapter={tmp_path / 'missing'}"])
-    with pytest.raises(ConfigError, match=r"'tasks'.*valid: \['passkey', 'kv', 'vartrack'\]"):
+    with pytest.raises(ConfigError, match=r"'tasks'.*'poems'; valid: plain, passkey, kv, vartrack, aggregate"):
         load_recipe(TINY, ["tasks=passkey,poems"])
     with pytest.raises(ConfigError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
-from zoomkv.data.sources import iter_texts
+from zoomkv.data.sources import SHIPPED, iter_texts
 from zoomkv.errors import ZoomKVError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -41,21 +42,23 @@ def noise_haystack(note: str = "noise") -> Haystack:
 
 
 @functools.lru_cache(maxsize=4)
-def _source_words(source: str, field: str) -> tuple[str, ...]:
+def _source_words(source: str, field: str, split: str) -> tuple[str, ...]:
     words: list[str] = []
-    for text in iter_texts(source, field=field):
+    # a Hub dataset is streamed: only the first MAX_WORDS words are read, not the whole dataset downloaded
+    streaming = source not in SHIPPED and not Path(source).expanduser().exists()
+    for text in iter_texts(source, field=field, split=split, streaming=streaming):
         words.extend(text.split())
         if len(words) >= MAX_WORDS:
             break
     return tuple(words[:MAX_WORDS])
 
 
-def text_haystack(source: str = DEFAULT_PROSE, field: str = "text") -> Haystack:
-    """The words of ``source``'s records (in order, the text of ``field``), or RULER's noise for
-    ``"noise"``. Refuses a source of under 50 words."""
+def text_haystack(source: str = DEFAULT_PROSE, field: str = "text", split: str = "train") -> Haystack:
+    """The words of ``source``'s records (in order, the text of ``field``; at most ``MAX_WORDS``), or
+    RULER's noise for ``"noise"``. Refuses a source of under 50 words."""
     if source == "noise":
         return noise_haystack()
-    words = _source_words(source, field)
+    words = _source_words(source, field, split)
     if len(words) < 50:
         raise ZoomKVError(f"haystack {source}: its text holds only {len(words)} words")
     return Haystack("prose", words, f"prose ({source})")

@@ -7,6 +7,7 @@ does not exist raises ``ConfigError`` naming the key and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from zoomkv.errors import ConfigError
+from zoomkv.data.training import parse_task_mix
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.method import value_fits
 from zoomkv.protocol.registry import TRAINING, get_training
 from zoomkv.protocol.training import MethodTraining
@@ -33,8 +35,13 @@ class TrainConfig:
     init_adapter: str = ""  # start from this adapter folder instead of a fresh one
     budget: int = 128  # rows per KV head the student is trained for
     recent: int = 8  # the newest rows, kept exact: teacher query positions lie before them
-    # data (synthetic, generated offline with the model's tokenizer)
-    tasks: str = "passkey,kv,vartrack"
+    # data: text from a corpus (any data source: a shipped corpus name, a folder of .txt/.md files, a JSONL /
+    # Parquet / CSV file, a saved dataset or a Hub id; "" = generated filler sentences), cut to the lengths below,
+    # with synthetic tasks inserted at the rates given by their weights (see zoomkv.data.training)
+    data: str = "python-docs"
+    data_split: str = "train"
+    data_field: str = "text"  # the field of each record that holds its text
+    tasks: str = "plain,passkey,kv,vartrack"  # task[:weight],...: plain, passkey, kv, vartrack, aggregate
     num_samples: int = 16
     min_length: int = 256  # length curriculum: sample lengths go from min_length to max_length
     max_length: int = 1024
@@ -67,8 +74,9 @@ class TrainConfig:
         return Path(self.teacher_cache) if self.teacher_cache else self.run_dir / "teacher"
 
     @property
-    def task_list(self) -> list[str]:
-        return [t.strip() for t in self.tasks.split(",") if t.strip()]
+    def task_mix(self) -> dict[str, float]:
+        """The recipe's tasks and their weights (``plain:2,passkey`` → {plain: 2, passkey: 1})."""
+        return parse_task_mix(self.tasks)
 
     @property
     def training(self) -> MethodTraining:
@@ -83,7 +91,6 @@ class TrainConfig:
         return out
 
 
-TASKS = ("passkey", "kv", "vartrack")
 FILE_KEYS = ("init_adapter",)
 
 
@@ -147,16 +154,48 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         value = getattr(cfg, key)
         if value and not Path(value).exists():
             raise ConfigError(f"recipe key {key!r}: file or folder not found: {value}")
-    unknown = sorted(set(t.strip() for t in cfg.tasks.split(",")) - set(TASKS))
-    if unknown:
-        raise ConfigError(f"recipe key 'tasks': unknown task(s) {unknown}; valid: {list(TASKS)}")
+    try:
+        mix = cfg.task_mix
+    except ZoomKVError as err:
+        raise ConfigError(f"recipe key 'tasks': {err}") from None
+    if "plain" in mix and not cfg.data:
+        raise ConfigError("recipe key 'tasks': 'plain' needs a corpus in recipe key 'data'")
     if cfg.min_length > cfg.max_length or cfg.min_length < 16:
         raise ConfigError(f"recipe keys 'min_length'/'max_length': need 16 <= min_length <= max_length, got "
                           f"{cfg.min_length}, {cfg.max_length}")
     for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
+    check_ranges(cfg)
     return cfg
+
+
+# The range of each numeric generic key (the method's own keys are checked by its recipe class). A value
+# outside it (lr: .nan, a negative lr, budget: 0, threads: -2) is refused before any model loads.
+RANGES: dict[str, tuple[str, Any]] = {
+    "lr": ("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+    "weight_decay": ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+    "grad_clip": ("a finite number >= 0 (0: no clipping)", lambda v: math.isfinite(v) and v >= 0),
+    "max_trainable_fraction": ("a number in (0, 1]", lambda v: 0 < v <= 1),
+    "budget": (">= 1", lambda v: v >= 1),
+    "recent": (">= 0", lambda v: v >= 0),
+    "seed": (">= 0", lambda v: v >= 0),
+    "layers_per_step": (">= 0 (0: all layers)", lambda v: v >= 0),
+    "threads": (">= 0 (0: torch's default)", lambda v: v >= 0),
+    "eval_samples": (">= 0", lambda v: v >= 0),
+    "kill_at_step": (">= 0", lambda v: v >= 0),
+}
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    for key, (what, ok) in RANGES.items():
+        value = getattr(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"recipe key {key!r} must be {what}, got {value!r}")
+    try:  # the method's own settings as the trainer will build them (its config checks their ranges)
+        cfg.training.method_config(cfg)
+    except NotImplementedError:
+        pass
 
 
 def save_resolved(cfg: TrainConfig, folder: Path) -> None:

@@ -4,7 +4,8 @@
     accelerate launch --config_file recipes/accelerate/multi_cpu.yaml -m zoomkv.train --recipe ...
 
 1. resolve the recipe (errors before any model loads), size the adapter, refuse it over the limit;
-2. generate the synthetic samples and extract the teacher signals once (cached safetensors);
+2. cut the samples from the corpus (synthetic tasks inserted), extract the teacher signals once (cached
+   safetensors);
 3. train the adapter from the cache: each step one sample (length curriculum) and a few layers;
 4. checkpoint adapter-only state (weights, optimizer moments, step) every ``save_every`` steps and write
    the adapter folder (``ZoomAdapter`` format, loadable by ``--adapter``) at the end, recipe next to it.
@@ -29,12 +30,13 @@ from typing import Any
 import torch
 import yaml
 
-from zoomkv.adapters.checkpoint import STATE_NAME, checkpoint_files
+from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, checkpoint_files
 from zoomkv.adapters.files import write_folder_atomically
-from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.adapters.model import ZoomAdapter, fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
+from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import curriculum_index, make_samples
-from zoomkv.errors import ConfigError
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.registry import get_method
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train.config import TrainConfig, save_resolved
@@ -137,6 +139,44 @@ def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: torch.n
     write_folder_atomically(run_dir / "checkpoints" / f"step_{step:06d}", files, overwrite=True)
 
 
+def resume_folder(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``resume`` names (``latest``: the newest finished one of the run, None if none yet),
+    checked to be of the recipe's method and base model name; ``check_resume`` adds the model's shape."""
+    if not cfg.resume:
+        return None
+    folder = latest_checkpoint(cfg.run_dir) if cfg.resume == "latest" else Path(cfg.resume)
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        raise ConfigError(f"recipe key 'resume': checkpoint folder not found: {cfg.resume}")
+    check_resume(folder, cfg)
+    return folder
+
+
+def check_resume(folder: Path, cfg: TrainConfig, fingerprint: dict[str, Any] | None = None) -> None:
+    """Refuse to resume a checkpoint of another method or base model (the name the recipe gave it, and,
+    with ``fingerprint``, the loaded model's shape): it would continue, and be stamped as, the wrong one."""
+    try:
+        meta = json.loads((folder / META_NAME).read_text(encoding="utf-8"))
+        recorded = meta["base_model"]
+        method = meta["method"]
+        if not isinstance(recorded, dict):
+            raise TypeError("base_model is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"recipe key 'resume': {folder} is not a training checkpoint of this trainer ({err})") from err
+    if method != cfg.method:
+        raise ConfigError(f"recipe key 'resume': {folder} is a checkpoint of method {method!r}, not {cfg.method!r}")
+    diff = [] if recorded.get("name") == cfg.model else ["name"]
+    if fingerprint is not None:
+        diff += fingerprint_diff(recorded, fingerprint)
+    if diff:
+        raise ConfigError(
+            f"recipe key 'resume': {folder} is a checkpoint of base model {recorded.get('name')!r}, not the "
+            f"recipe's model {cfg.model!r} (they differ in {', '.join(diff)}); resume with "
+            f"model={recorded.get('name')}, or train the new model in another run_name/output_dir"
+        )
+
+
 def load_checkpoint_state(folder: Path, adapter: torch.nn.Module, optimizer: Any) -> int:
     """Restore the adapter weights and optimizer moments saved by ``save_checkpoint``; returns the step."""
     try:
@@ -154,6 +194,40 @@ def load_checkpoint_state(folder: Path, adapter: torch.nn.Module, optimizer: Any
         state.setdefault(int(index), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": trainer["param_groups"]})
     return step
+
+
+class NonFiniteTrainingError(ZoomKVError):
+    """A step's loss, gradient norm or updated weights are NaN or infinite (too high an lr, bad data): the
+    run stops before saving anything from that step on."""
+
+
+def gradient_norm(adapter: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad.detach().float().norm() for p in adapter.parameters() if p.grad is not None]
+    return torch.stack(grads).norm().cpu() if grads else torch.zeros(())
+
+
+def stop_unless_finite(accelerator: Any, step: int, run_dir: Path, *, loss: torch.Tensor | None = None,
+                       grad_norm: torch.Tensor | None = None, adapter: torch.nn.Module | None = None) -> None:
+    """Raise ``NonFiniteTrainingError`` (one line, exit 2) when the step's loss, gradient norm or the updated
+    adapter is not finite, on every process at once (they decide together, so none waits for the others)."""
+    problems = []
+    if loss is not None and not torch.isfinite(loss).all():
+        problems.append(f"the loss is {float(loss):g}")
+    if grad_norm is not None and not torch.isfinite(grad_norm).all():
+        problems.append(f"the gradient norm is {float(grad_norm):g}")
+    if adapter is not None and not all(bool(torch.isfinite(p).all()) for p in adapter.parameters()):
+        problems.append("the update made the adapter's weights non-finite")
+    bad = torch.tensor([float(bool(problems))], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    if not bad.item():
+        return
+    last = latest_checkpoint(run_dir)
+    kept = f"the last checkpoint, {last}, is finite" if last else "no checkpoint was written"
+    raise NonFiniteTrainingError(
+        f"step {step}: {' and '.join(problems) or 'another process saw a non-finite loss'}; training stopped "
+        f"and nothing of this step was saved ({kept}); lower lr (or grad_clip), or check the data"
+    )
 
 
 def average_gradients(accelerator: Any, prepared: Any, adapter: torch.nn.Module) -> None:
@@ -177,6 +251,11 @@ def check_processes_agree(accelerator: Any, adapter: torch.nn.Module) -> None:
     if not torch.equal(every.amin(0), every.amax(0)):
         raise RuntimeError("the training processes ended with different adapters (gradients not synchronised)")
     accelerator.print(f"all {accelerator.num_processes} processes hold the same adapter")
+
+
+def load_corpus(cfg: TrainConfig) -> Haystack | None:
+    """The recipe's ``data`` as one word stream (None: generated filler sentences)."""
+    return text_haystack(cfg.data, field=cfg.data_field, split=cfg.data_split) if cfg.data else None
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -207,18 +286,23 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
+    corpus = load_corpus(cfg)  # a bad source fails here, before the model loads
+    resume = resume_folder(cfg)  # checked against the recipe's method and model before the model loads
     model, tokenizer = load_model(cfg.model)
     model.requires_grad_(False)  # frozen: never trained, never saved
     shape = ModelShape.from_model(model)
+    if resume is not None:
+        check_resume(resume, cfg, base_fingerprint(model, name=cfg.model))
     adapter = build_adapter(cfg, shape)
     check_fraction(adapter, shape, cfg, log=say)
     say(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value.lower()}, {accelerator.device}")
     training = cfg.training  # everything method-specific: modules, objective, optimiser groups
 
     # -- teacher signals, once (main process), then everyone reads the cache
-    tasks = cfg.task_list
-    samples = make_samples(tokenizer, tasks, cfg.num_samples, cfg.min_length, cfg.max_length, cfg.seed)
+    tasks = cfg.task_mix
+    samples = make_samples(tokenizer, tasks, cfg.num_samples, cfg.min_length, cfg.max_length, cfg.seed, corpus)
     fingerprint = {"model": cfg.model, "tasks": tasks, "num_samples": cfg.num_samples, "seed": cfg.seed,
+                   "data": [cfg.data, cfg.data_split, cfg.data_field] if cfg.data else None,
                    "min_length": cfg.min_length, "max_length": cfg.max_length, "queries": cfg.queries_per_sample,
                    "budget": cfg.budget, "recent": cfg.recent}
     if accelerator.is_main_process:
@@ -236,9 +320,6 @@ def train(cfg: TrainConfig) -> Path:
     raw = accelerator.unwrap_model(adapter)
     fingerprint = base_fingerprint(model, name=cfg.model)
     start_step = 0
-    resume = latest_checkpoint(run_dir) if cfg.resume == "latest" else (Path(cfg.resume) if cfg.resume else None)
-    if cfg.resume and cfg.resume != "latest" and (resume is None or not resume.is_dir()):
-        raise ConfigError(f"recipe key 'resume': checkpoint folder not found: {cfg.resume}")
     if resume is not None:
         start_step = load_checkpoint_state(resume, raw, optimizer)
         say(f"resumed from {resume} at step {start_step}")
@@ -256,6 +337,7 @@ def train(cfg: TrainConfig) -> Path:
         # Randomness is a function of (seed, step, micro-batch number): resume needs only the step.
         per_proc, n_proc = cfg.samples_per_step, accelerator.num_processes
         logs: dict[str, float] = {}
+        total_loss = torch.zeros(())
         for j in range(per_proc):
             micro = accelerator.process_index * per_proc + j
             rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
@@ -266,12 +348,15 @@ def train(cfg: TrainConfig) -> Path:
             layers_all = sample["layers"].tolist()
             layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
             loss, logs = training.step_loss(raw, sample, layers, cfg, step, rng)
+            total_loss = total_loss + loss.detach().float().cpu()
             accelerator.backward(loss / per_proc)
         average_gradients(accelerator, adapter, raw)
+        stop_unless_finite(accelerator, step, run_dir, loss=total_loss, grad_norm=gradient_norm(raw))
         if cfg.grad_clip > 0:
             accelerator.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        stop_unless_finite(accelerator, step, run_dir, adapter=raw)  # an update can overflow too
         bar.update(1)
         if logs and (step % cfg.log_every == 0 or step == 1):
             bar.set_postfix(loss=f"{logs['loss']:.4f}")
@@ -348,7 +433,10 @@ def answer_scores(model, tokenizer, texts: list[tuple[str, str]], methods: dict[
 def evaluate(model, tokenizer, cfg: TrainConfig, adapter: torch.nn.Module) -> dict[str, Any]:
     """Held-out samples (other seeds, the longest length): the fresh adapter vs the trained one, and the
     recipe's ``eval_baselines`` (training-free methods) at the same budget."""
-    held = make_samples(tokenizer, cfg.task_list, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973)
+    # scored on the answer of a task that has one (plain text has none): passkey when the recipe names none
+    answered = {t: w for t, w in cfg.task_mix.items() if t != "plain"} or {"passkey": 1.0}
+    held = make_samples(tokenizer, answered, cfg.eval_samples, cfg.max_length, cfg.max_length, cfg.seed + 9973,
+                        load_corpus(cfg))
     texts = []
     for s in held:
         cut = s.text.rindex(s.answer)
