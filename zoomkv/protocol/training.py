@@ -13,6 +13,7 @@ as attributes, and the method's own keys (an instance of ``recipe_class``) as ``
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zoomkv.errors import ConfigError
 from zoomkv.protocol.method import KVMethod, MethodConfig
 from zoomkv.protocol.shape import ModelShape
 
@@ -29,9 +31,20 @@ Sample = dict[str, torch.Tensor]
 
 @dataclass
 class RecipeOptions:
-    """Base of a method's own recipe keys (a flat dataclass; ``choices`` lists the strings a key accepts)."""
+    """Base of a method's own recipe keys (a flat dataclass; ``choices`` lists the strings a key accepts).
+    A subclass checks its keys' ranges in ``__post_init__`` with ``require``: the recipe is refused before
+    any model loads."""
 
     choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def require(self, key: str, ok: bool, what: str) -> None:
+        """Refuse the recipe key ``key`` unless ``ok`` (``what``: its valid range, for the message)."""
+        if not ok:
+            raise ConfigError(f"recipe key {key!r} must be {what}, got {getattr(self, key)!r}")
+
+
+def finite_at_least(value: Any, low: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value >= low
 
 
 class MethodTraining:

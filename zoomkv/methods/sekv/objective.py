@@ -23,7 +23,7 @@ from zoomkv.methods.sekv.layout import build_spans, reconstruct, segment_row
 from zoomkv.methods.sekv.method import SeKV, SeKVConfig, greedy_zoom, plan_budget, stored_rank
 from zoomkv.methods.sekv.modules import SeKVAdapter, build_sekv_modules
 from zoomkv.protocol.shape import ModelShape
-from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
+from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample, finite_at_least
 
 
 @dataclass
@@ -167,6 +167,16 @@ class SeKVRecipe(RecipeOptions):
     budget_ramp_steps: int = 50
 
     choices = {"proj_dim": ("auto",), "share_projector": ("auto",)}
+
+    def __post_init__(self) -> None:
+        self.require("proj_dim", self.proj_dim == "auto" or self.proj_dim >= 1, '>= 1 or "auto"')
+        for key, low in (("r_max", 1), ("sinks", 0), ("chunk", 1), ("min_span", 1), ("budget_ramp_steps", 0)):
+            self.require(key, getattr(self, key) >= low, f">= {low}")
+        self.require("max_span", self.max_span >= self.min_span, f">= min_span ({self.min_span})")
+        self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
+        self.require("rho", 0 < self.rho <= 1, "in (0, 1]")
+        for key in ("proj_lr", "w_kl", "w_out", "w_zoom", "w_route", "w_anchor", "w_rank", "w_budget"):
+            self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
 _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))

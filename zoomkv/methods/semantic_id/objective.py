@@ -42,6 +42,12 @@ class SemanticIDRecipe(RecipeOptions):
     id_bits: int = 6
     pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
 
+    def __post_init__(self) -> None:
+        self.require("sem_dim", self.sem_dim >= 1, ">= 1")
+        self.require("sem_hidden", self.sem_hidden >= 2 * self.sem_dim, f">= 2 * sem_dim ({2 * self.sem_dim})")
+        self.require("id_bits", 0 <= self.id_bits <= 30, "in [0, 30]")
+        self.require("pair_rows", self.pair_rows >= 2, ">= 2")
+
 
 def method_config(recipe: Any) -> SemanticIDConfig:
     """The method's settings the projector is trained for (recipe keys prefixed ``sem_`` where ambiguous)."""

@@ -1,0 +1,156 @@
+"""Hardening (issue 15): training refuses settings out of range and non-finite losses, ``resume`` refuses a
+checkpoint of another base model, the adapter checksum is verified on every load path, sizes in an adapter
+config are checked before anything is allocated, and export deletes no file it did not write."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zoomkv.cli import run_command
+from zoomkv.errors import ConfigError
+from zoomkv.train.config import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"
+TINY_SEMANTIC = ROOT / "recipes" / "tiny-llama-semantic-id.yaml"
+
+
+# -- 1. recipe ranges, non-finite losses ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    ("lr=.nan", "lr"), ("lr=-0.1", "lr"), ("lr=0", "lr"), ("lr=.inf", "lr"), ("budget=0", "budget"),
+    ("threads=-2", "threads"), ("weight_decay=-1", "weight_decay"), ("grad_clip=.nan", "grad_clip"),
+    ("grad_clip=-1", "grad_clip"), ("steps=0", "steps"), ("seed=-1", "seed"), ("recent=-1", "recent"),
+    ("max_trainable_fraction=0", "max_trainable_fraction"), ("layers_per_step=-1", "layers_per_step"),
+    ("r_max=0", "r_max"), ("rho=1.5", "rho"), ("w_kl=.nan", "w_kl"), ("proj_lr=-1", "proj_lr"),
+    ("max_span=2", "max_span"), ("proj_dim=0", "proj_dim"),
+])
+def test_recipe_values_out_of_range_are_refused(override, key):
+    with pytest.raises(ConfigError, match=rf"recipe key '{key}' must be"):
+        load_recipe(TINY, [override])
+
+
+@pytest.mark.parametrize("override, key", [("sem_hidden=4", "sem_hidden"), ("pair_rows=1", "pair_rows"),
+                                           ("id_bits=31", "id_bits"), ("sem_dim=0", "sem_dim")])
+def test_semantic_id_recipe_values_out_of_range_are_refused(override, key):
+    with pytest.raises(ConfigError, match=rf"recipe key '{key}' must be"):
+        load_recipe(TINY_SEMANTIC, [override])
+
+
+def test_out_of_range_recipe_exits_2_before_the_model_loads(monkeypatch, capsys):
+    import zoomkv.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(zoomkv.models, "load_model", no_model)
+    for override in ("lr=.nan", "lr=-1", "budget=0", "threads=-2"):
+        assert run_command("train", ["--recipe", str(TINY), override], prog="train") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "must be" in err[0], err
+    assert load_recipe(TINY, ["grad_clip=0"]).grad_clip == 0.0  # 0: no clipping, as documented
+
+
+# A training run whose loss turns NaN at step 3 (after the step-2 checkpoint), through the CLI.
+NAN_AT_STEP_3 = textwrap.dedent("""
+    import sys
+    from zoomkv.methods.sekv.objective import SeKVTraining
+    from zoomkv.cli import run_command
+
+    original = SeKVTraining.step_loss
+
+    def step_loss(self, modules, sample, layers, recipe, step, rng):
+        loss, logs = original(self, modules, sample, layers, recipe, step, rng)
+        return (loss * float("nan"), logs) if step >= 3 else (loss, logs)
+
+    SeKVTraining.step_loss = step_loss
+    sys.exit(run_command("train", sys.argv[1:], prog="python -m zoomkv.train"))
+""")
+
+
+def _train(tmp: Path, *extra: str, script: str | None = None) -> subprocess.CompletedProcess:
+    head = ["-c", script] if script else ["-m", "zoomkv.train"]
+    args = [sys.executable, *head, "--recipe", str(TINY), f"output_dir={tmp / 'runs'}",
+            f"teacher_cache={tmp / 'teacher'}", "num_samples=2", "queries_per_sample=3", "steps=4", "save_every=2",
+            "layers_per_step=2", *extra]
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("nan")
+    return tmp, _train(tmp, script=NAN_AT_STEP_3)
+
+
+def test_non_finite_loss_stops_the_run_and_saves_nothing_after(nan_run):
+    tmp, done = nan_run
+    assert done.returncode == 2, done.stderr[-3000:]
+    err = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(err) == 1 and "step 3: the loss is nan" in err[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    run = tmp / "runs" / "sekv-tiny"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    assert not (run / "adapter").exists()
+    import torch
+
+    from zoomkv.adapters.model import ZoomAdapter
+
+    kept = ZoomAdapter.from_pretrained(run / "checkpoints" / "step_000002")
+    assert all(bool(torch.isfinite(p).all()) for p in kept.modules.parameters())
+
+
+def test_non_finite_gradient_or_update_is_refused():
+    import torch
+    from accelerate import Accelerator
+
+    from zoomkv.train.loop import NonFiniteTrainingError, gradient_norm, stop_unless_finite
+
+    accelerator = Accelerator(cpu=True)
+    module = torch.nn.Linear(2, 2)
+    (module.weight.sum() * float("inf")).backward()
+    with pytest.raises(NonFiniteTrainingError, match="step 7: the gradient norm is (nan|inf)"):
+        stop_unless_finite(accelerator, 7, Path("nowhere"), loss=torch.tensor(1.0), grad_norm=gradient_norm(module))
+    with torch.no_grad():
+        module.bias.fill_(float("inf"))
+    with pytest.raises(NonFiniteTrainingError, match="weights non-finite.*no checkpoint was written"):
+        stop_unless_finite(accelerator, 8, Path("nowhere"), adapter=module)
+    stop_unless_finite(accelerator, 9, Path("nowhere"), loss=torch.tensor(1.0), grad_norm=torch.tensor(2.0))
+
+
+# -- 2. resume refuses another base model ----------------------------------------------------------------
+
+
+def test_resume_refuses_a_checkpoint_of_another_base_model(nan_run):
+    tmp, _ = nan_run
+    done = _train(tmp, "resume=latest", "model=tiny-qwen3")
+    assert done.returncode == 2, done.stderr[-3000:]
+    err = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(err) == 1 and "base model 'tiny-llama', not the recipe's model 'tiny-qwen3'" in err[0], err
+    assert "Traceback" not in done.stderr
+    checkpoints = tmp / "runs" / "sekv-tiny" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002"]
+    meta = json.loads((checkpoints / "step_000002" / "adapter_meta.json").read_text())
+    assert meta["base_model"]["name"] == "tiny-llama"  # not stamped as the new model
+
+
+def test_resume_refuses_same_name_other_shape(nan_run):
+    from zoomkv.models import load_model
+    from zoomkv.protocol.shape import base_fingerprint
+    from zoomkv.train.loop import check_resume
+
+    tmp, _ = nan_run
+    folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
+    cfg = load_recipe(TINY)
+    check_resume(folder, cfg, base_fingerprint(load_model("tiny-llama")[0], name="tiny-llama"))
+    qwen = base_fingerprint(load_model("tiny-qwen3")[0], name="tiny-llama")  # renamed, another architecture
+    with pytest.raises(ConfigError, match="differ in model_type"):
+        check_resume(folder, cfg, qwen)
+    with pytest.raises(ConfigError, match="method 'sekv', not 'semantic_id'"):
+        check_resume(folder, load_recipe(TINY_SEMANTIC))
