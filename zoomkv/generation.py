@@ -35,6 +35,7 @@ class GenerationResult:
     token_ids: list[list[int]] = field(default_factory=list)
     cache: ZoomCache | None = None  # kept when asked (generate_methods(keep_caches=True)): more turns can follow
     sequence: torch.Tensor | None = None  # the input ids and every generated token, as the cache saw them
+    diagnostics: list[dict[str, Any] | None] | None = None  # per sequence, when asked (zoomkv.memory.diagnostics)
 
     @property
     def text(self) -> str:
@@ -183,6 +184,7 @@ def generate_methods(
     contexts: list[str] | None = None,
     prefill_chunk: int | None = None,
     keep_caches: bool = False,
+    diagnose: bool = False,
 ) -> list[GenerationResult]:
     """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
 
@@ -192,6 +194,8 @@ def generate_methods(
     tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
     ``prefill_chunk``: no shared prefill; each method's cache takes the prompt (or context) in pieces.
     ``keep_caches``: each result keeps its cache and token sequence, so more turns can follow.
+    ``diagnose``: each result's ``diagnostics`` say, per sequence, layer and KV head, what share of full
+    attention its selections kept (``zoomkv.memory.diagnostics``).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -204,19 +208,21 @@ def generate_methods(
     if contexts is None:
         inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens,
                                 device=model.device)
-        results = _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk)
+        results = _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk,
+                                       diagnose)
     else:
         results = _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos,
-                                  prefill_chunk, max_len)
+                                  prefill_chunk, max_len, diagnose)
     if not keep_caches:
         for r in results:
             r.cache = r.sequence = None
     return results
 
 
-def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None) -> ZoomCache:
+def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None,
+               diagnose: bool = False) -> ZoomCache:
     options = {"kv_quant": run.kv_quant, "kv_quant_tiers": run.kv_quant_tiers, "tail_summary": run.tail_summary,
-               **run.kwargs}
+               "diagnose": diagnose, **run.kwargs}
     if record is not None:
         return cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, **options)
     return ZoomCache(model, run.method, run.budget, tokenizer=tokenizer, prefill_chunk=prefill_chunk, **options)
@@ -258,17 +264,19 @@ def _result(tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, new: torch.Tens
         token_ids=token_ids,
         cache=cache,
         sequence=torch.cat([ids, new], dim=1),
+        diagnostics=None if cache.probe is None else [cache.probe.summary(b) for b in range(ids.shape[0])],
     )
 
 
 def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
-                         max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None) -> list[GenerationResult]:
+                         max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
+                         diagnose: bool = False) -> list[GenerationResult]:
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     eos = tokenizer.eos_token_id
     record = None if prefill_chunk else record_prefill(model, ids, mask)
     results = []
     for run in runs:
-        cache = _cache_for(model, tokenizer, run, record, prefill_chunk)
+        cache = _cache_for(model, tokenizer, run, record, prefill_chunk, diagnose)
         start = time.perf_counter()
         if record is None:  # chunked: the prefill is this method's own, timed to its first token
             new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
@@ -292,7 +300,7 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
 
 def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
                     max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
-                    max_len: int) -> list[GenerationResult]:
+                    max_len: int, diagnose: bool = False) -> list[GenerationResult]:
     if len(contexts) != len(texts):
         raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
     rests = []
@@ -322,7 +330,7 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
     record = None if prefill_chunk else record_prefill(model, ctx["input_ids"], ctx["attention_mask"])
     results = []
     for run in runs:
-        cache = _cache_for(model, tokenizer, run, record, prefill_chunk)
+        cache = _cache_for(model, tokenizer, run, record, prefill_chunk, diagnose)
         start = time.perf_counter()
         if record is None:  # this method's own (chunked) prefill of the context, without the question
             model(input_ids=ctx["input_ids"], attention_mask=ctx["attention_mask"], use_cache=True, logits_to_keep=1,

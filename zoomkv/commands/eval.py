@@ -57,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
         plots=not args.no_plots, progress=not args.quiet, threads=args.threads,
         command=command_line(args), protocol=args.protocol, prefill_chunk=args.prefill_chunk,
+        diagnose=args.diagnose,
     )
 
 
@@ -127,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=["query-agnostic", "query-aware"], default="query-agnostic",
                         help="query-agnostic (default): compress the context before the question arrives, then ask "
                              "it over the compressed cache; query-aware: compress the whole prompt, question included")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="score every step's selection against full attention: the share of its mass kept and "
+                             "the overlap with the exact top-B rows, per layer, KV head and answer token "
+                             "(summary.md table, diagnostics_*.png; slower)")
     parser.add_argument("--prefill-chunk", type=int, metavar="N",
                         help="put each prompt (or context) through in pieces of N tokens, compressed as they go")
     parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")

@@ -40,6 +40,7 @@ class EvalConfig:
     data: list[str] = field(default_factory=list)
     data_format: str = "auto"
     haystack: str = DEFAULT_PROSE  # the prose of the essay tasks: a data source, or "noise"
+    diagnose: bool = False  # rows carry the share of full attention each method's selections kept
     grid_lengths: list[int] = field(default_factory=list)
     grid_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     method_args: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -244,6 +245,7 @@ def _row(sample: Sample, prompt_tokens: int, b: int, run: RunSpec, result: Gener
         "prompt_tokens": prompt_tokens, "new_tokens": len(result.token_ids[b]), "batch_size": batch,
         "haystack": sample.haystack, "chat": fmt.uses_chat(sample.chat), "protocol": cfg.protocol,
         "model": cfg.model, "prediction": prediction, "answers": sample.answers,
+        **({"diagnostics": result.diagnostics[b]} if result.diagnostics and result.diagnostics[b] else {}),
     }
 
 
@@ -304,6 +306,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
                 "max_new_tokens": cfg.max_new_tokens, "haystack": cfg.haystack, "protocol": cfg.protocol,
                 "prefill_chunk": cfg.prefill_chunk}
+    if cfg.diagnose:  # rows with and without diagnostics do not mix (the key is absent otherwise: older runs resume)
+        identity["diagnose"] = True
     store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
 
@@ -337,7 +341,7 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                 continue
             results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
                                        max_new_tokens=new, chat=False, contexts=contexts,
-                                       prefill_chunk=cfg.prefill_chunk)
+                                       prefill_chunk=cfg.prefill_chunk, diagnose=cfg.diagnose)
             counts = [fmt.count(t) for t in texts]
             rows = [_row(s, counts[b], b, run, res, len(samples), cfg, fmt)
                     for run, res in zip(missing, results, strict=True) for b, s in enumerate(samples)]

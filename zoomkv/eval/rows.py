@@ -24,7 +24,7 @@ FIELDS = (
 
 GRID_TASK = "niah_grid"
 OUTPUT_PATTERNS = ("rows.jsonl", "rows.json", "rows.csv", "summary.json", "summary.md", "score_vs_budget_*.png",
-                   "pareto.png", "niah_heatmap_*.png")
+                   "pareto.png", "niah_heatmap_*.png", "diagnostics_*.png")
 
 
 def row_key(row: dict[str, Any]) -> tuple[Any, ...]:

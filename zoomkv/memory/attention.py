@@ -155,6 +155,8 @@ def zoomkv_attention_forward(
         append_tail(memory, key, value)
     sel = method.select(memory, query)
     _check_budget(cache, memory, cache.budget_rows)
+    if cache.probe is not None:
+        cache.probe.step(layer_idx, query, key, sel, scale)
     if cache.tail_summary:
         sel = with_tail(memory, sel)
     if sel.use_model_mask:
@@ -170,6 +172,8 @@ def extend_layer(module: torch.nn.Module, cache: Any, memory: Any, query: torch.
     method = cache.method
     sel = method.select(memory, query)
     _check_budget(cache, memory, cache.budget_rows)
+    if cache.probe is not None:
+        cache.probe.step(memory.layer_idx, query, key, sel, scale)
     # The new rows sit on the device tier next to the layer's own while they are attended.
     note_peak(memory, key.nbytes + value.nbytes, key.shape[2])
     if cache.tail_summary:
@@ -210,6 +214,8 @@ def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
         # The tail row is one of the B device rows: the method gets B - 1 for everything else.
         ctx = dataclasses.replace(ctx, budget=None if budget is None else budget - 1)
         init_tail(memory, ctx)
+    if cache.probe is not None:
+        cache.probe.prefill(memory.layer_idx, ctx.keys, ctx.valid)
     cache.method.compress(memory, ctx)
     memory.compressed = True
     _check_budget(cache, memory, budget)

@@ -23,6 +23,7 @@ from zoomkv.budget import Budget
 from zoomkv.errors import BudgetError, ConfigError, ZoomKVError
 from zoomkv.memory import speculation
 from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
+from zoomkv.memory.diagnostics import SelectionProbe
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.memory.surprisal import token_surprisal
@@ -116,6 +117,7 @@ class ZoomCache(Cache):
         kv_quant_group: int = 32,
         tail_summary: bool = False,
         prefill_chunk: int | None = None,
+        diagnose: bool = False,
         **method_kwargs: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
@@ -148,6 +150,8 @@ class ZoomCache(Cache):
             raise ConfigError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
         # Longer inputs go through in pieces of this many tokens, compressed as they go (see _prefill_in_chunks).
         self.prefill_chunk = prefill_chunk
+        # diagnose: every decode step's selection scored against full attention (zoomkv.memory.diagnostics)
+        self.probe = SelectionProbe(lambda: self.budget_rows) if diagnose else None
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
         self.step_ids: torch.Tensor | None = None  # ids of the forward in progress: the prompt, then each token
         self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress

@@ -33,6 +33,7 @@ class OracleTopK(KVMethod):
         if ctx.valid is not None:
             memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
         memory.meta["budget"] = ctx.budget
+        memory.meta["scaling"] = ctx.scaling  # the mass vote uses the model's own softmax temperature
         reserve_recall_buffer(memory, min(ctx.budget, ctx.keys.shape[2]))
 
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -48,7 +49,7 @@ class OracleTopK(KVMethod):
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
         q = group_query(query, keys.shape[1]).to(keys.device)  # [b, h, g, d]; scored where the keys live
-        logits = torch.matmul(q, keys.transpose(-1, -2)).float()  # [b, h, g, n]
+        logits = torch.matmul(q, keys.transpose(-1, -2)).float() * memory.meta.get("scaling", 1.0)  # [b, h, g, n]
         valid = None
         if "valid" in memory.host_tier:
             valid = memory.host_tier["valid"].view()[:, :, :, 0]  # [b, 1, n]

@@ -1,0 +1,120 @@
+"""What ``zoomkv eval --diagnose`` adds to a run: per method and budget, the share of full attention mass
+its selections kept and their overlap with the exact top-B rows — over all, per layer, per KV head and per
+answer token (``zoomkv.memory.diagnostics`` measures them; each result row carries its own under
+``diagnostics``). The summary gets a table; the plots show where a method loses the mass."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from zoomkv.eval.summary import budget_order, config_label
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("diagnostics"):
+            out[(config_label(r), r.get("budget") or "")].append(r["diagnostics"])
+    return dict(sorted(out.items(), key=lambda kv: (budget_order(kv[0][1]), kv[0][0])))
+
+
+def per_layer(diags: list[dict[str, Any]], key: str) -> tuple[list[int], list[list[float]]]:
+    """The layers, and per layer the mean over rows of each KV head's ``key`` (mass or overlap)."""
+    layers = diags[0]["layers"]
+    table = [[statistics.fmean(d[key][i][h] for d in diags if d["layers"] == layers)
+              for h in range(len(diags[0][key][i]))] for i in range(len(layers))]
+    return layers, table
+
+
+def by_step(diags: list[dict[str, Any]]) -> list[float]:
+    """Mean mass kept at each answer token (over the rows that reached it)."""
+    longest = max(len(d["mass_by_step"]) for d in diags)
+    return [statistics.fmean(d["mass_by_step"][s] for d in diags if len(d["mass_by_step"]) > s)
+            for s in range(longest)]
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    groups = _groups(rows)
+    if not groups:
+        return []
+    lines = ["", "## Selection diagnostics (share of full attention kept; `--diagnose`)", "",
+             "Mass: the share of full attention's mass on the exact rows each step attended (summary rows count for "
+             "nothing). Overlap: the share of the exact top-B rows it held. Means over rows, layers, KV heads and steps; "
+             "the weakest layer is the one with the least mass.", "",
+             "| method | budget | rows | mass kept | top-B overlap | first token mass | later tokens mass | weakest layer (mass) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (label, budget), diags in groups.items():
+        layers, mass = per_layer(diags, "mass")
+        _, overlap = per_layer(diags, "overlap")
+        layer_mass = [statistics.fmean(m) for m in mass]
+        steps = by_step(diags)
+        later = f"{statistics.fmean(steps[1:]):.3f}" if len(steps) > 1 else "–"
+        weakest = min(range(len(layers)), key=lambda i: layer_mass[i])
+        lines.append(f"| {label} | {budget or '–'} | {len(diags)} | {statistics.fmean(layer_mass):.3f} | "
+                     f"{statistics.fmean(statistics.fmean(o) for o in overlap):.3f} | {steps[0]:.3f} | {later} | "
+                     f"{layers[weakest]} ({layer_mass[weakest]:.3f}) |")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """``diagnostics_layers.png`` (mass and overlap per layer, a line per method and budget),
+    ``diagnostics_steps.png`` (mass per answer token) and ``diagnostics_heads.png`` (layer × KV head mass,
+    one panel per method and budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(rows)
+    if not groups:
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    for (label, budget), diags in groups.items():
+        for ax, key in zip(axes, ("mass", "overlap"), strict=True):
+            layers, table = per_layer(diags, key)
+            ax.plot(layers, [statistics.fmean(t) for t in table], marker=".", label=f"{label} @ {budget or '–'}")
+    axes[0].set_title("share of full attention mass kept, per layer")
+    axes[1].set_title("overlap with exact top-B rows, per layer")
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "diagnostics_layers.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, budget), diags in groups.items():
+        steps = by_step(diags)
+        ax.plot(range(1, len(steps) + 1), steps, marker=".", label=f"{label} @ {budget or '–'}")
+    ax.set_xlabel("answer token")
+    ax.set_ylabel("mass kept (mean over layers and heads)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "diagnostics_steps.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    n = len(groups)
+    fig, axes = plt.subplots(1, n, figsize=(2.2 * n + 1, 6), squeeze=False)
+    for ax, ((label, budget), diags) in zip(axes[0], groups.items(), strict=True):
+        layers, table = per_layer(diags, "mass")
+        image = ax.imshow(table, aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
+        ax.set_title(f"{label}\n@ {budget or '–'}", fontsize=8)
+        ax.set_xlabel("KV head")
+        ax.set_yticks(range(0, len(layers), max(1, len(layers) // 10)),
+                      [layers[i] for i in range(0, len(layers), max(1, len(layers) // 10))])
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="mass kept")
+    paths.append(out / "diagnostics_heads.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
