@@ -18,6 +18,8 @@ from tests.method_matrix import method_kwargs
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.methods import METHODS, get_method
+from zoomkv.protocol.eviction import EvictionMethod
+from zoomkv.protocol.method import KVMethod
 
 BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget)
 TINY_MODELS = ["tiny-llama", "tiny-gemma3"]
@@ -112,3 +114,33 @@ def test_prefill_chunk_is_checked():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ConfigError, match="prefill_chunk"):
             ZoomCache(model, "full", prefill_chunk=bad)
+
+
+DEFAULT_VICTIM = sorted(name for name, cls in METHODS.items()
+                        if issubclass(cls, EvictionMethod) and cls._victim is EvictionMethod._victim)
+
+
+@pytest.mark.parametrize("name", DEFAULT_VICTIM)
+@pytest.mark.parametrize("stored,capacity,arriving", [(6, 8, 1), (6, 8, 2), (6, 8, 5), (8, 8, 3), (8, 8, 20), (3, 1, 4)])
+def test_eviction_extend_in_one_gather_equals_row_by_row(name, stored, capacity, arriving):
+    """The eviction family's vectorised extend leaves the layer exactly as appending the rows one at a time
+    does, ties (equal scores, +inf, -inf padding) included."""
+    from types import SimpleNamespace
+
+    method = object.__new__(METHODS[name])  # extend reads no hyper-parameter (compresskv's profile is not needed)
+    g = torch.Generator().manual_seed(stored * 100 + arriving)
+    scores = torch.randint(0, 3, (2, 3, stored), generator=g).float()
+    scores[0, 0, :2] = float("inf")
+    scores[1, 2, 0] = float("-inf")
+
+    def layer():
+        keys = torch.randn(2, 3, stored, 4, generator=torch.Generator().manual_seed(1))
+        return SimpleNamespace(device_tier={"keys": keys, "values": keys + 1, "scores": scores.clone()},
+                               meta={"capacity": capacity})
+
+    new = torch.randn(2, 3, arriving, 4, generator=g)
+    one_by_one, at_once = layer(), layer()
+    KVMethod.extend(method, one_by_one, new, new * 2)
+    method.extend(at_once, new, new * 2)
+    for key in ("keys", "values", "scores"):
+        assert torch.equal(one_by_one.device_tier[key], at_once.device_tier[key]), key

@@ -228,5 +228,36 @@ class EvictionMethod(KVMethod):
         if scores is not None:
             tier["scores"] = replace_row(scores, victim, new_score)
 
+    def extend(self, memory: Memory, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Several rows at once, exactly as appending them one by one would leave the layer, in one gather.
+
+        One by one, each arriving row is kept and the lowest-scored row already there (the first among equal
+        scores) makes room. By induction the layer then holds the newest row plus the best ``capacity - 1``
+        of all rows before it, ranked by (score, position): the earlier of two equal scores goes first. A
+        method with its own ``_victim`` rule (H2O, StreamingLLM) appends row by row."""
+        tier = memory.device_tier
+        scores = tier.get("scores")
+        if type(self)._victim is not EvictionMethod._victim or scores is None:
+            super().extend(memory, keys, values)
+            return
+        m = keys.shape[2]
+        new_scores = torch.full(scores.shape[:2] + (m,), self.new_row_score, dtype=scores.dtype, device=scores.device)
+        all_keys = torch.cat([tier["keys"], keys], dim=2)
+        all_values = torch.cat([tier["values"], values], dim=2)
+        all_scores = torch.cat([scores, new_scores], dim=2)
+        # one by one never shrinks a layer: one that already holds more than its capacity keeps its size
+        capacity, total = max(memory.meta["capacity"], scores.shape[2]), all_keys.shape[2]
+        if total <= capacity:
+            tier["keys"], tier["values"], tier["scores"] = all_keys, all_values, all_scores
+            return
+        # best first: by score, then the later position (a stable sort of the reversed rows)
+        earlier = all_scores[..., : total - 1].flip(-1)
+        order = earlier.sort(dim=-1, descending=True, stable=True).indices[..., : capacity - 1]
+        last = torch.full(order.shape[:2] + (1,), total - 1, dtype=order.dtype, device=order.device)
+        idx = torch.cat([total - 2 - order, last], dim=-1).sort(dim=-1).values  # back in sequence order
+        tier["keys"] = gather_rows(all_keys, idx)
+        tier["values"] = gather_rows(all_values, idx)
+        tier["scores"] = gather_rows(all_scores, idx)
+
     def select(self, memory: Memory, query: torch.Tensor) -> Selection:
         return Selection(memory.device_tier["keys"], memory.device_tier["values"], kept_padding_bias(memory))
