@@ -15,6 +15,7 @@ import shlex
 from typing import Any
 
 from zoomkv.cli_args import parse_scoped_method_args
+from zoomkv.data.files import FORMATS as DATA_FORMATS
 from zoomkv.errors import ZoomKVError
 
 
@@ -81,7 +82,8 @@ def list_tasks() -> None:
     for task in SYNTHETIC_TASKS.values():
         print(f"{task.name:16s} {task.description}{'  [uses --haystack]' if task.essay else ''}")
     print(f"{'niah_grid':16s} single needle over --grid-lengths × --grid-depths (a heatmap per method)")
-    print("--data [NAME=]FILE.jsonl   LongBench format, plain {prompt, answers, ...}, or GSM8K {question, answer}")
+    print("--data [NAME=]SOURCE       a .jsonl/.json/.parquet/.csv file, a saved dataset folder or a Hub id of LongBench, "
+          "LongBench-v2, InfiniteBench, RULER-export, plain {prompt, answers, ...} or GSM8K {question, answer} records")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,9 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
     parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
     parser.add_argument("--samples", type=int, default=4, help="samples per task and length (and grid cell)")
-    parser.add_argument("--data", action="append", metavar="[NAME=]FILE.jsonl",
-                        help="a JSONL task file (LongBench, plain or GSM8K format; repeatable)")
-    parser.add_argument("--data-format", default="auto", choices=["auto", "longbench", "plain", "gsm8k"])
+    parser.add_argument("--data", action="append", metavar="[NAME=]SOURCE",
+                        help="task records from a .jsonl/.json/.parquet/.csv file, a saved dataset folder or a Hub "
+                             "dataset id (LongBench, LongBench-v2, InfiniteBench, RULER export, plain or GSM8K "
+                             "format; repeatable)")
+    parser.add_argument("--data-format", default="auto", choices=list(DATA_FORMATS),
+                        help="the records' format (auto: told by the first record's fields)")
     parser.add_argument("--haystack", "--haystack-dir", dest="haystack", default="kjv", metavar="SOURCE",
                         help="the prose of RULER's essay tasks: kjv (shipped, the default), python-docs, noise, a "
                              "folder of .txt/.md files, a JSONL/Parquet/CSV file or a dataset (field 'text')")

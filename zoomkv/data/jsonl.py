@@ -1,4 +1,7 @@
-"""Reading the user's JSONL files: every problem is reported as ``FILE:LINE: what is wrong``."""
+"""Checking the user's data records: every problem is reported as ``FILE:LINE: what is wrong`` for a JSONL
+file (``FILE: record N: what is wrong`` for Parquet, CSV and saved datasets, whose records have no lines).
+``read_jsonl`` reads a JSONL file line by line: what ``zoomkv.data.files`` falls back on to say which line
+of a file ``datasets`` could not load is wrong."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ class DataFileError(ZoomKVError):
     """A data file that cannot be used: unreadable, bad JSON, or a record missing a field."""
 
     def __init__(self, path: Path | str, line: int | None, message: str):
-        where = f"{path}:{line}" if line is not None else str(path)
+        by_line = str(path).lower().endswith((".jsonl", ".json"))
+        where = str(path) if line is None else f"{path}:{line}" if by_line else f"{path}: record {line}"
         super().__init__(f"{where}: {message}")
         self.path, self.line = str(path), line
 
@@ -44,9 +48,11 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def require(path: str | Path, line: int, obj: dict[str, Any], fields: dict[str, tuple[type, ...]], fmt: str) -> None:
-    """Every field in ``fields`` is present with one of its types, else a DataFileError naming it."""
+    """Every field in ``fields`` is present with one of its types, else a DataFileError naming it. A field
+    that is null counts as missing: a table (Parquet, or JSONL read by ``datasets``) gives every record
+    every column, null where the record had none."""
     for name, types in fields.items():
-        if name not in obj:
+        if obj.get(name) is None:
             raise DataFileError(path, line, f"missing field {name!r} (the {fmt} format needs {', '.join(fields)})")
         if not isinstance(obj[name], types):
             wanted = " or ".join(t.__name__ for t in types)

@@ -1,13 +1,23 @@
-"""LongBench-format files (``input, context, answers, all_classes, length, dataset``) and the plain
-format for the user's own tasks, scored with LongBench's metric for each dataset.
+"""The record formats of the long-context benchmarks, each read into ``Record``s of one ``LongBenchTask``:
 
-The instructions around each dataset's context are zoomkv's own wording of what each LongBench task
-asks; the metric, the generation length, the first-line rule of the few-shot tasks and the choice to
-skip the chat template for few-shot and code tasks follow LongBench. A context longer than the limit is
-cut in its middle, keeping both ends, as LongBench does (LongBench cuts the whole prompt; cutting the
-context keeps the instruction and question whole, which is the same whenever they are short).
+- LongBench (``input, context, answers, all_classes, length, dataset``), scored with LongBench's metric
+  for each dataset;
+- LongBench-v2 (``_id, domain, question, choice_A..choice_D, answer, context``): multiple choice, the
+  reply's stated letter scored (``choice``);
+- InfiniteBench (``id, context, input, answer, options``): multiple choice when there are options
+  (InfiniteBench's own rule, ``infbench_choice``), else the metric of the task named;
+- RULER's exported ``input, outputs[, answer_prefix]``: the prompt as RULER wrote it, scored with
+  ``string_match_all`` (``string_match_part`` for its QA tasks) as RULER does;
+- the plain format for the user's own tasks.
+
+The context is what the query-agnostic protocol compresses; the question or instruction after it is the
+record's ``tail``. The instructions around each dataset's context are zoomkv's own wording of what each
+task asks (LongBench-v2 keeps its answer-format sentence, which its metric reads); the metric, the
+generation length, the first-line rule of the few-shot tasks and the choice to skip the chat template for
+few-shot and code tasks follow LongBench. A context longer than the limit is cut in its middle, keeping
+both ends, as LongBench does (LongBench cuts the whole prompt; cutting the context keeps the instruction
+and question whole, which is the same whenever they are short).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -198,3 +208,132 @@ def plain_record(path: Path, line: int, obj: dict[str, Any], default_name: str) 
     if metric == "classification" and not record.all_classes:
         raise DataFileError(path, line, "missing field 'all_classes' (the classification metric needs it)")
     return str(obj.get("task") or default_name), record
+
+
+# ------------------------------------------------------------------------------------------ LongBench-v2
+
+CHOICE_LETTERS = "ABCD"
+V2_MAX_NEW_TOKENS = 128  # LongBench-v2's generation length without chain of thought
+_V2_HEAD = "Please read the following text and answer the question below.\n\n<text>\n"
+_V2_TAIL = ("\n</text>\n\nWhat is the correct answer to this question: {question}\nChoices:\n{choices}\n\n"
+            'Format your response as follows: "The correct answer is (insert answer here)".')
+
+
+def longbench_v2_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
+    """A LongBench-v2 question: the document, then the question and its four choices; the answer is a letter."""
+    fields = {"question": (str,), "context": (str,), "answer": (str,),
+              **{f"choice_{c}": (str,) for c in CHOICE_LETTERS}}
+    require(path, line, obj, fields, "LongBench-v2")
+    answer = obj["answer"].strip()
+    if len(answer) != 1 or answer not in CHOICE_LETTERS:
+        raise DataFileError(path, line, f"field 'answer' should be one of A, B, C, D, got {obj['answer']!r}")
+    choices = "\n".join(f"({c}) {obj[f'choice_{c}'].strip()}" for c in CHOICE_LETTERS)
+    tail = _V2_TAIL.replace("{question}", obj["question"].strip()).replace("{choices}", choices)
+    return default_name, Record(_V2_HEAD, obj["context"].strip(), tail, "", [answer], "choice",
+                                _count_field(path, line, obj, "max_new_tokens", V2_MAX_NEW_TOKENS), line=line)
+
+
+# ----------------------------------------------------------------------------------------- InfiniteBench
+
+# InfiniteBench's tasks: (metric, generation length as InfiniteBench sets it). Its multiple-choice tasks are
+# scored with its own rule; its QA tasks with the token F1 it shares with LongBench (longbook_qa_chn with
+# LongBench's jieba words, where InfiniteBench splits characters); the retrieval-style tasks, whose
+# InfiniteBench rules read the first number or a whole word, with the looser string_match_part.
+INFINITEBENCH: dict[str, tuple[str, int]] = {
+    "passkey": ("string_match_part", 6), "number_string": ("string_match_part", 12),
+    "kv_retrieval": ("string_match_part", 50), "longbook_sum_eng": ("rouge_l", 1200),
+    "longbook_choice_eng": ("infbench_choice", 40), "longbook_qa_eng": ("qa_f1", 40),
+    "longbook_qa_chn": ("qa_f1_zh", 40), "longdialogue_qa_eng": ("string_match_part", 40),
+    "math_find": ("string_match_part", 3), "code_run": ("string_match_part", 5),
+    "code_debug": ("infbench_choice", 5),
+}
+_IB_CHOICE = ("Read the text below and answer the question after it.\n\n",
+              "\n\nQuestion: {input}\n\nOnly one of the following options is correct. Answer with its letter "
+              "alone (A, B, C or D).\n{options}", "\nAnswer:")
+_IB_ASK = ("Below is a long text, then a question about it. Answer as briefly as you can.\n\n", "\n\n{input}",
+           "\nAnswer:")
+_IB_SUM = ("Below is a book.\n\n", "\n\nSummarise the book above.", "\nSummary:")
+
+
+def _choice_label(path: Path, line: int, answers: list[str], options: list[str]) -> list[str]:
+    """InfiniteBench's label of a multiple-choice record: the right option's text and its letter."""
+    first = answers[0].strip()
+    if first in options:
+        return [first, CHOICE_LETTERS[options.index(first)]]
+    if len(first) == 1 and first in CHOICE_LETTERS[: len(options)]:
+        return [options[CHOICE_LETTERS.index(first)], first]
+    raise DataFileError(path, line, f"field 'answer' ({first[:40]!r}) is none of the 'options' nor their letter")
+
+
+def infinitebench_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
+    """An InfiniteBench record: its options listed after the question when it has some."""
+    require(path, line, obj, {"context": (str,), "input": (str,), "answer": (list, str, int, float)},
+            "InfiniteBench")
+    answers = string_list(path, line, obj["answer"], "answer")
+    options = obj.get("options") or []
+    if not isinstance(options, list):
+        raise DataFileError(path, line, "field 'options' should be a list of strings")
+    options = string_list(path, line, options, "options") if options else []
+    if options and not 2 <= len(options) <= len(CHOICE_LETTERS):
+        raise DataFileError(path, line, f"field 'options' should hold 2 to 4 options, got {len(options)}")
+    metric, max_new = INFINITEBENCH.get(default_name, ("infbench_choice" if options else "qa_f1", 64))
+    if "metric" in obj:
+        metric = str(obj["metric"])
+    if metric not in METRIC_NAMES:
+        raise DataFileError(path, line, f"unknown metric {metric!r}; valid: {', '.join(METRIC_NAMES)}")
+    question = obj["input"].strip()
+    if options:
+        head, tail, prefix = _IB_CHOICE
+        listed = "\n".join(f"{letter}. {option}" for letter, option in zip(CHOICE_LETTERS, options, strict=False))
+        tail = tail.replace("{options}", listed).replace("{input}", question)
+    elif metric.startswith("rouge") and not question:
+        head, tail, prefix = _IB_SUM
+    elif metric.endswith("_zh"):
+        head, tail, prefix = _QA_ZH
+    else:
+        head, tail, prefix = _IB_ASK
+    if options and metric == "infbench_choice":
+        answers = _choice_label(path, line, answers, options)
+    if "{input}" in tail:  # a record without a question: the context alone, then the answer prefix
+        tail = tail.replace("{input}", question) if question else ""
+    return default_name, Record(head, obj["context"], tail, prefix, answers, metric,
+                                _count_field(path, line, obj, "max_new_tokens", max_new), line=line)
+
+
+# ----------------------------------------------------------------------------------------------- RULER
+
+# RULER's generation length per task family (its tokens_to_generate), by the start of the task's name
+RULER_NEW_TOKENS = (("niah", 128), ("vt", 30), ("variable_tracking", 30), ("cwe", 120),
+                    ("common_words", 120), ("fwe", 50), ("freq_words", 50), ("qa", 32))
+# where RULER's templates ask their question, after the context
+_RULER_QUESTIONS = ("Question:", "What are all the special magic", "What is the special magic")
+
+
+def ruler_question_at(text: str) -> int:
+    """Where the question of a RULER prompt starts: its last "Question:" or needle query, else its last
+    line; the whole prompt is context when it has a single line and no marker."""
+    at = max(text.rfind(marker) for marker in _RULER_QUESTIONS)
+    if at > 0:
+        return at
+    body = text.rstrip()
+    last = body.rfind("\n")
+    return last + 1 if last > 0 else len(text)
+
+
+def ruler_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
+    """A prompt RULER exported (``input``, ``outputs``, ``answer_prefix``), used as RULER wrote it: the
+    context is what comes before the question (``ruler_question_at``), cut in its middle when too long."""
+    require(path, line, obj, {"input": (str,), "outputs": (list, str, int)}, "RULER")
+    answers = string_list(path, line, obj["outputs"], "outputs")
+    family = default_name.removeprefix("ruler_")  # the task RULER named: niah_*, vt, cwe, fwe, qa_*
+    metric = str(obj.get("metric") or ("string_match_part" if family.startswith("qa") else "string_match_all"))
+    if metric not in METRIC_NAMES:
+        raise DataFileError(path, line, f"unknown metric {metric!r}; valid: {', '.join(METRIC_NAMES)}")
+    new = next((n for prefix, n in RULER_NEW_TOKENS if family.startswith(prefix)), 128)
+    prefix = obj.get("answer_prefix", "")
+    if not isinstance(prefix, str):
+        raise DataFileError(path, line, "field 'answer_prefix' should be a string")
+    text = obj["input"]
+    at = ruler_question_at(text)
+    return default_name, Record("", text[:at], text[at:], prefix, answers, metric,
+                        _count_field(path, line, obj, "max_new_tokens", new), line=line)

@@ -13,7 +13,7 @@ from zoomkv.errors import ZoomKVError
 # in this order; the data readers check names against this list, since data cannot import eval.
 METRIC_NAMES: tuple[str, ...] = (
     "string_match_all", "string_match_part", "qa_f1", "qa_f1_zh", "rouge_l", "rouge_l_zh", "classification",
-    "retrieval", "retrieval_zh", "count", "code_sim", "exact_number",
+    "retrieval", "retrieval_zh", "count", "code_sim", "exact_number", "choice", "infbench_choice",
 )
 
 

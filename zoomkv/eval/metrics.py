@@ -1,20 +1,33 @@
 """Scoring functions, each ``metric(prediction, answers, **extra) -> score in [0, 100]``.
 
 RULER's two substring metrics, LongBench's family (token F1 with SQuAD-style normalisation, ROUGE-L,
-classification, passage retrieval and count, code edit similarity) and the exact-number metric of
-GSM8K-style reasoning. A sample is scored against every reference answer and keeps the best, as
-LongBench does; RULER's ``string_match_all`` instead needs every reference in the prediction.
+classification, passage retrieval and count, code edit similarity), LongBench-v2's and InfiniteBench's
+multiple-choice accuracy and the exact-number metric of GSM8K-style reasoning. A sample is scored against
+every reference answer and keeps the best, as LongBench's ``eval.py`` does; RULER's ``string_match_all``
+instead needs every reference in the prediction.
 
-Written from the metrics' published definitions. Two deliberate differences from LongBench's code:
-ROUGE-L is the sentence-level LCS F-measure (the ``rouge`` package's summary-level union-LCS variant
-differs on multi-sentence texts), and the Chinese metrics tokenise into characters rather than with
-jieba (not a dependency here). Code similarity uses difflib's ratio where LongBench uses fuzzywuzzy's,
-which is the same ratio when python-Levenshtein is absent.
+The LongBench metrics follow the published implementation (THUDM/LongBench ``metrics.py``), written
+anew here on maintained packages:
+
+- ROUGE-L through Google's ``rouge-score``, fed the way LongBench feeds its ``rouge`` package: the text
+  is split into sentences at every ".", tokens are the whitespace-separated words, case kept, and the
+  score is the summary-level (union-LCS) F-measure. One difference remains: LongBench's ``rouge`` package
+  counts distinct words (a repeated word counts once) where ``rouge-score`` counts every token, so the
+  two agree exactly when no word repeats and differ slightly otherwise.
+- Chinese text is segmented with jieba (``" ".join(jieba.cut(text))``) for ROUGE-L and token F1, as
+  LongBench does.
+- Code similarity is fuzzywuzzy's ``fuzz.ratio`` as LongBench installs it (without python-Levenshtein):
+  difflib's ratio, rounded to a whole percent, 100 for equal strings, 0 when either is empty.
+  (rapidfuzz is not a dependency; difflib is the same matcher fuzzywuzzy falls back on.)
+- Classification keeps LongBench's quirk: a label that is only part of the right one is dropped while the
+  list is walked, which skips the label after it.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import re
 import string
 from collections import Counter
@@ -79,58 +92,93 @@ def _f1(pred_tokens: Sequence[str], ref_tokens: Sequence[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
-    # one row of the dynamic-programming table at a time: summaries can be thousands of tokens long
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
-
-
-def _rouge_l(pred_tokens: Sequence[str], ref_tokens: Sequence[str]) -> float:
-    lcs = _lcs(pred_tokens, ref_tokens) if pred_tokens and ref_tokens else 0
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(pred_tokens), lcs / len(ref_tokens)
-    return 2 * precision * recall / (precision + recall)
-
-
 def _best(prediction: str, answers: Sequence[str], one: Callable[[str, str], float]) -> float:
     return 100.0 * max((one(prediction, a) for a in answers), default=0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def _jieba():
+    """jieba, with its "Building prefix dict" banner (logged to stderr on first use) silenced."""
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+    return jieba
+
+
+def jieba_words(text: str) -> list[str]:
+    """jieba's segmentation of ``text`` (accurate mode, HMM on: jieba's defaults, as LongBench calls it)."""
+    return list(_jieba().cut(text, cut_all=False))
 
 
 def qa_f1(prediction: str, answers: Sequence[str], **_: Any) -> float:
     return _best(prediction, answers, lambda p, a: _f1(normalize_answer(p).split(), normalize_answer(a).split()))
 
 
+def _zh_tokens(text: str) -> list[str]:
+    # LongBench: jieba words, each normalised (lowercase, no punctuation or whitespace), empty ones dropped
+    return [w for w in (normalize_zh(t) for t in jieba_words(text)) if w]
+
+
 def qa_f1_zh(prediction: str, answers: Sequence[str], **_: Any) -> float:
-    return _best(prediction, answers, lambda p, a: _f1(list(normalize_zh(p)), list(normalize_zh(a))))
+    return _best(prediction, answers, lambda p, a: _f1(_zh_tokens(p), _zh_tokens(a)))
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
+class _Whitespace:
+    """rouge-score tokenizer: the whitespace-separated words, untouched (LongBench's ``rouge`` package
+    splits on spaces and keeps case and punctuation; rouge-score's default would also drop every
+    non-ASCII character, which leaves nothing of Chinese text)."""
+
+    @staticmethod
+    def tokenize(text: str) -> list[str]:
+        return text.split()
+
+
+@functools.lru_cache(maxsize=1)
+def _rouge_scorer():
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeLsum"], tokenizer=_Whitespace())
+
+
+def _sentences(text: str) -> str:
+    # LongBench's rouge package: sentences are the non-empty pieces between "."; rougeLsum reads one a line
+    return "\n".join(" ".join(piece.split()) for piece in text.split(".") if piece)
+
+
+def rouge_l_pair(prediction: str, reference: str) -> float:
+    """LongBench's ``rouge_score`` of one pair in [0, 1]: summary-level ROUGE-L F over "."-separated
+    sentences of whitespace words (0 for an empty prediction, as LongBench's caught exception gives)."""
+    return _rouge_scorer().score(_sentences(reference), _sentences(prediction))["rougeLsum"].fmeasure
 
 
 def rouge_l(prediction: str, answers: Sequence[str], **_: Any) -> float:
-    return _best(prediction, answers, lambda p, a: _rouge_l(_words(p), _words(a)))
+    return _best(prediction, answers, rouge_l_pair)
 
 
 def rouge_l_zh(prediction: str, answers: Sequence[str], **_: Any) -> float:
-    return _best(prediction, answers, lambda p, a: _rouge_l(list(normalize_zh(p)), list(normalize_zh(a))))
+    """LongBench's ``rouge_zh_score``: both texts as jieba words joined by spaces, then ``rouge_l_pair``."""
+    return _best(prediction, answers,
+                 lambda p, a: rouge_l_pair(" ".join(jieba_words(p)), " ".join(jieba_words(a))))
 
 
 # ------------------------------------------------------------------------ classification, retrieval, count
 
 
 def _classification(prediction: str, answer: str, all_classes: Sequence[str]) -> float:
-    # Classes named in the prediction; a class that is only a substring of the right one ("NUM" inside
-    # "NUM:date") does not count against it. Credit is split among the classes named.
+    # LongBench: the classes named in the prediction; a class that is only part of the right one ("NUM"
+    # inside "NUM:date") is removed, but LongBench removes it from the list it is walking, so the class
+    # right after a removed one is never checked and stays. Credit is split among the classes left.
     named = [c for c in all_classes if c in prediction]
-    named = [c for c in named if not (c in answer and c != answer)]
-    return 1.0 / len(named) if answer in named else 0.0
+    kept, skip_next = [], False
+    for c in named:
+        if skip_next:
+            kept.append(c)
+            skip_next = False
+        elif c in answer and c != answer:
+            skip_next = True
+        else:
+            kept.append(c)
+    return 1.0 / len(kept) if answer in kept else 0.0
 
 
 def classification(prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None,
@@ -175,9 +223,72 @@ def _first_code_line(prediction: str) -> str:
     return ""
 
 
+def fuzz_ratio(a: str, b: str) -> int:
+    """fuzzywuzzy's ``fuzz.ratio`` (0.18, pure-Python matcher): 100 for equal strings, 0 if either is
+    empty, else difflib's ratio as a whole percent (Python's round)."""
+    if a == b:
+        return 100
+    if not a or not b:
+        return 0
+    return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
+
+
 def code_sim(prediction: str, answers: Sequence[str], **_: Any) -> float:
+    """LongBench's ``code_sim_score``: fuzz.ratio of the reply's first code line and the reference line."""
     line = _first_code_line(prediction)
-    return _best(prediction, answers, lambda p, a: difflib.SequenceMatcher(None, line, a).ratio())
+    return _best(prediction, answers, lambda p, a: fuzz_ratio(line, a) / 100)
+
+
+# ------------------------------------------------------------------------------------- multiple choice
+
+_V2_ANSWER = (re.compile(r"The correct answer is \(([A-D])\)"), re.compile(r"The correct answer is ([A-D])"))
+
+
+def extract_choice(prediction: str) -> str | None:
+    """LongBench-v2's reading of a reply: the letter in "The correct answer is (X)", else in "The correct
+    answer is X", with every "*" removed first (markdown bold); None when neither is there."""
+    text = prediction.replace("*", "")
+    for pattern in _V2_ANSWER:
+        found = pattern.search(text)
+        if found:
+            return found.group(1)
+    return None
+
+
+def choice(prediction: str, answers: Sequence[str], **_: Any) -> float:
+    """LongBench-v2's accuracy: 100 when the letter the reply states is the answer's letter."""
+    return 100.0 if extract_choice(prediction) in {str(a).strip() for a in answers} else 0.0
+
+
+_IB_PREFIXES = ("answer is:", "answer:", "answer is", "option is")
+
+
+def _infbench_choice(prediction: str, label: Sequence[str]) -> bool:
+    pred = prediction.strip()
+    if not pred:
+        return False
+    if pred[0] in "ABCD":  # a reply that starts with a letter is that letter
+        return pred[0] in label
+    for c in "\n\"'.,?!{}":
+        pred = pred.replace(c, " ")
+    while "  " in pred:
+        pred = pred.replace("  ", " ")
+    for prefix in _IB_PREFIXES:  # else what follows the first answer phrase found
+        at = pred.find(prefix)
+        if at == -1:
+            continue
+        after = pred[at + len(prefix) + 1:]
+        return bool(after) and any(after.startswith(s) for s in label)
+    for word in pred.split():  # else the first word that is a letter
+        if word in "ABCD":
+            return word in label
+    return False
+
+
+def infbench_choice(prediction: str, answers: Sequence[str], **_: Any) -> float:
+    """InfiniteBench's multiple-choice score (``longbook_choice_eng``): ``answers`` is the label, the right
+    option's text and its letter; 100 when the reply picks it (see ``_infbench_choice`` for how)."""
+    return 100.0 if _infbench_choice(prediction, [str(a) for a in answers]) else 0.0
 
 
 # ---------------------------------------------------------------------------------------- exact number
@@ -224,6 +335,8 @@ METRICS: dict[str, Metric] = {
     "count": count,
     "code_sim": code_sim,
     "exact_number": exact_number,
+    "choice": choice,
+    "infbench_choice": infbench_choice,
 }
 
 
