@@ -9,11 +9,8 @@ instead needs every reference in the prediction.
 The LongBench metrics follow the published implementation (THUDM/LongBench ``metrics.py``), written
 anew here on maintained packages:
 
-- ROUGE-L through Google's ``rouge-score``, fed the way LongBench feeds its ``rouge`` package: the text
-  is split into sentences at every ".", tokens are the whitespace-separated words, case kept, and the
-  score is the summary-level (union-LCS) F-measure. One difference remains: LongBench's ``rouge`` package
-  counts distinct words (a repeated word counts once) where ``rouge-score`` counts every token, so the
-  two agree exactly when no word repeats and differ slightly otherwise.
+- ROUGE-L through the ``rouge`` package, the one LongBench calls, the same way (its ROUGE-L F; an error
+  such as an empty prediction scores 0), so scores equal LongBench's own.
 - Chinese text is segmented with jieba (``" ".join(jieba.cut(text))``) for ROUGE-L and token F1, as
   LongBench does.
 - Code similarity is fuzzywuzzy's ``fuzz.ratio`` as LongBench installs it (without python-Levenshtein):
@@ -123,32 +120,21 @@ def qa_f1_zh(prediction: str, answers: Sequence[str], **_: Any) -> float:
     return _best(prediction, answers, lambda p, a: _f1(_zh_tokens(p), _zh_tokens(a)))
 
 
-class _Whitespace:
-    """rouge-score tokenizer: the whitespace-separated words, untouched (LongBench's ``rouge`` package
-    splits on spaces and keeps case and punctuation; rouge-score's default would also drop every
-    non-ASCII character, which leaves nothing of Chinese text)."""
-
-    @staticmethod
-    def tokenize(text: str) -> list[str]:
-        return text.split()
-
-
 @functools.lru_cache(maxsize=1)
-def _rouge_scorer():
-    from rouge_score import rouge_scorer
+def _rouge():
+    from rouge import Rouge
 
-    return rouge_scorer.RougeScorer(["rougeLsum"], tokenizer=_Whitespace())
-
-
-def _sentences(text: str) -> str:
-    # LongBench's rouge package: sentences are the non-empty pieces between "."; rougeLsum reads one a line
-    return "\n".join(" ".join(piece.split()) for piece in text.split(".") if piece)
+    return Rouge(metrics=["rouge-l"])
 
 
 def rouge_l_pair(prediction: str, reference: str) -> float:
-    """LongBench's ``rouge_score`` of one pair in [0, 1]: summary-level ROUGE-L F over "."-separated
-    sentences of whitespace words (0 for an empty prediction, as LongBench's caught exception gives)."""
-    return _rouge_scorer().score(_sentences(reference), _sentences(prediction))["rougeLsum"].fmeasure
+    """LongBench's ``rouge_score`` of one pair in [0, 1]: the ``rouge`` package's ROUGE-L F, which LongBench
+    calls; any error it raises (an empty prediction; a recursion limit on very long texts) scores 0, as
+    LongBench's bare ``except`` does."""
+    try:
+        return float(_rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"])
+    except Exception:  # LongBench: `except: return 0.0`
+        return 0.0
 
 
 def rouge_l(prediction: str, answers: Sequence[str], **_: Any) -> float:
