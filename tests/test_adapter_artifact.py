@@ -36,6 +36,7 @@ from zoomkv.adapters.errors import (
 )
 from zoomkv.adapters.export import export_checkpoint
 from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter
+from zoomkv.adapters.weights import sha256
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ZoomKVError
 from zoomkv.methods.oracle_topk import OracleTopK, OracleTopKConfig
@@ -186,9 +187,9 @@ def test_truncated_weights(saved):
     (saved / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
     with pytest.raises(AdapterWeightsError, match="corrupt or truncated"):
         ZoomAdapter.from_pretrained(saved)
-    # Also caught by safetensors itself when no checksum is recorded.
+    # Also caught by safetensors itself when the checksum recorded is that of the truncated file.
     config = json.loads((saved / CONFIG_NAME).read_text())
-    config["weights_sha256"] = None
+    config["weights_sha256"] = sha256((saved / WEIGHTS_NAME).read_bytes())
     (saved / CONFIG_NAME).write_text(json.dumps(config))
     with pytest.raises(AdapterWeightsError, match="not a readable safetensors"):
         ZoomAdapter.from_pretrained(saved)
@@ -206,9 +207,10 @@ def test_corrupt_weights_bytes(saved):
 
 
 def _rewrite_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """New weights, with their checksum recorded (the checksum is never optional)."""
     save_file(tensors, str(folder / WEIGHTS_NAME))
     config = json.loads((folder / CONFIG_NAME).read_text())
-    config["weights_sha256"] = None
+    config["weights_sha256"] = sha256((folder / WEIGHTS_NAME).read_bytes())
     (folder / CONFIG_NAME).write_text(json.dumps(config))
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_adapter_artifact import fresh_adapter, llama, probe_method, run  # noqa: F401  (fixtures)
 
+from tests.test_adapter_artifact import fresh_adapter, llama, probe_method, run  # noqa: F401  (fixtures)
 from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
 from zoomkv.adapters.errors import AdapterNotFoundError, AdapterOfflineError
 from zoomkv.adapters.model import ZoomAdapter
@@ -254,8 +254,7 @@ def test_offline_hand_built_cache(tmp_path, probe_method, llama, monkeypatch):  
 
 def test_peft_push_and_pull_through_loopback_hub(tmp_path, fake_hub, probe_method, llama):  # noqa: F811
     peft = pytest.importorskip("peft")
-    from test_adapter_peft import peft_run
-
+    from tests.test_adapter_peft import peft_run
     from zoomkv.adapters.peft_integration import ZoomKVPeftConfig
 
     hub, _ = fake_hub

@@ -11,9 +11,16 @@ import torch
 pytest.importorskip("peft")
 
 from peft import PeftModel, get_peft_model  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from test_adapter_artifact import PROBE, PROMPT, fresh_adapter, probe_method, run  # noqa: E402,F401
+from safetensors.torch import load_file  # noqa: E402
 
+from tests.test_adapter_artifact import (  # noqa: E402,F401
+    PROBE,
+    PROMPT,
+    _rewrite_weights,
+    fresh_adapter,
+    probe_method,
+    run,
+)
 from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME  # noqa: E402
 from zoomkv.adapters.errors import AdapterError, AdapterKeysError, AdapterShapeError, BaseModelMismatchError  # noqa: E402
 from zoomkv.adapters.model import ZoomAdapter  # noqa: E402
@@ -81,11 +88,10 @@ def test_peft_refuses_wrong_base_and_bad_weights(tmp_path):
     folder = fresh_adapter(llama).save_pretrained(tmp_path / "a")
     with pytest.raises(BaseModelMismatchError, match="tiny-llama.*tiny-qwen3"):
         PeftModel.from_pretrained(load_model("tiny-qwen3")[0], str(folder))
-    save_file({"query_shift": torch.zeros(4, 2, 16)}, str(folder / WEIGHTS_NAME))
+    _rewrite_weights(folder, {"query_shift": torch.zeros(4, 2, 16)})
     with pytest.raises(AdapterKeysError, match="missing"):
         PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
-    save_file({"query_shift": torch.zeros(4, 2, 3), "steps": torch.zeros((), dtype=torch.int64)},
-              str(folder / WEIGHTS_NAME))
+    _rewrite_weights(folder, {"query_shift": torch.zeros(4, 2, 3), "steps": torch.zeros((), dtype=torch.int64)})
     with pytest.raises(AdapterShapeError):
         PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
     (folder / WEIGHTS_NAME).unlink()

@@ -154,3 +154,134 @@ def test_resume_refuses_same_name_other_shape(nan_run):
         check_resume(folder, cfg, qwen)
     with pytest.raises(ConfigError, match="method 'sekv', not 'semantic_id'"):
         check_resume(folder, load_recipe(TINY_SEMANTIC))
+
+
+# -- 3. the checksum, on every load path ------------------------------------------------------------------
+
+from tests.test_adapter_artifact import PROBE, fresh_adapter, llama, probe_method  # noqa: E402,F401  (fixtures)
+from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME  # noqa: E402
+from zoomkv.adapters.errors import AdapterConfigError, AdapterWeightsError  # noqa: E402
+from zoomkv.adapters.model import ZoomAdapter  # noqa: E402
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    for key, value in changes.items():
+        if value is ...:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / CONFIG_NAME).write_text(json.dumps(config))
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0xFF  # inside a tensor: still valid safetensors, other content
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("sha", [None, ...], ids=["null", "missing"])
+def test_an_adapter_without_a_checksum_is_refused(tmp_path, probe_method, llama, capsys, sha):  # noqa: F811
+    folder = fresh_adapter(llama[0]).save_pretrained(tmp_path / "a")
+    _edit_config(folder, weights_sha256=sha)
+    with pytest.raises(AdapterWeightsError, match="no checksum recorded"):
+        ZoomAdapter.from_pretrained(folder)
+    from zoomkv.cli import main
+
+    assert main(["export", str(folder), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checksum recorded" in err[0]
+    assert not (tmp_path / "b").exists()
+
+
+def test_checkpoint_files_are_verified_too(tmp_path, probe_method, llama):  # noqa: F811
+    from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, write_checkpoint
+    from zoomkv.adapters.export import export_checkpoint
+
+    adapter = fresh_adapter(llama[0])
+    c = adapter.config
+    ckpt = write_checkpoint(tmp_path / "ckpt", adapter.modules, method=c.method, hyper=c.hyper,
+                            base_model=c.base_model, shape=c.model_shape())
+    assert ZoomAdapter.from_pretrained(ckpt).config.method == PROBE
+    _flip_a_byte(ckpt / STATE_NAME)
+    with pytest.raises(AdapterWeightsError, match="checksum mismatch"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    meta = json.loads((ckpt / META_NAME).read_text())
+    del meta["state_sha256"]
+    (ckpt / META_NAME).write_text(json.dumps(meta))
+    with pytest.raises(AdapterConfigError, match=r"missing field\(s\) \['state_sha256'\]"):
+        ZoomAdapter.from_pretrained(ckpt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_verifies_the_checkpoint_and_optimizer_state(nan_run):
+    import torch
+
+    from zoomkv.train.loop import OPTIMIZER_NAME, load_checkpoint_state
+
+    tmp, _ = nan_run
+    folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
+    kept = ZoomAdapter.from_pretrained(folder)
+    cfg = load_recipe(TINY)
+    optimizer = torch.optim.AdamW(cfg.training.param_groups(kept.modules, cfg))
+    assert load_checkpoint_state(folder, kept.modules, optimizer) == 2
+    copy = tmp / "flipped"
+    import shutil
+
+    shutil.copytree(folder, copy)
+    _flip_a_byte(copy / OPTIMIZER_NAME)
+    with pytest.raises(AdapterWeightsError, match="checksum mismatch"):
+        load_checkpoint_state(copy, kept.modules, optimizer)
+
+
+
+def test_every_peft_load_path_verifies_the_checksum(tmp_path, probe_method, llama):  # noqa: F811
+    pytest.importorskip("peft")
+    from peft import PeftModel, get_peft_model
+
+    from zoomkv.adapters.peft_integration import ZoomKVPeftConfig
+    from zoomkv.adapters.weights import sha256
+    from zoomkv.models import load_model
+
+    model = llama[0]
+    good = fresh_adapter(model).save_pretrained(tmp_path / "good")
+    loaded = PeftModel.from_pretrained(load_model("tiny-llama")[0], str(good))
+    flipped = fresh_adapter(model, seed=1).save_pretrained(tmp_path / "flipped")
+    _flip_a_byte(flipped / WEIGHTS_NAME)
+    null = fresh_adapter(model, seed=2).save_pretrained(tmp_path / "null")
+    _edit_config(null, weights_sha256=None)
+    for bad, match in ((flipped, "checksum mismatch"), (null, "no checksum recorded")):
+        with pytest.raises(AdapterWeightsError, match=match):
+            PeftModel.from_pretrained(load_model("tiny-llama")[0], str(bad))
+        with pytest.raises(AdapterWeightsError, match=match):
+            loaded.load_adapter(str(bad), adapter_name="second")
+    # A config made by hand was never checked against the file: refused rather than trusted.
+    unverified = ZoomKVPeftConfig.for_model(model, PROBE, {"scale": 4.0})
+    with pytest.raises(AdapterWeightsError, match="not verified"):
+        PeftModel.from_pretrained(load_model("tiny-llama")[0], str(good), config=unverified)
+    # PEFT's own save records the checksum, so what it writes loads everywhere.
+    peft_model = get_peft_model(load_model("tiny-llama")[0], ZoomKVPeftConfig.for_model(model, PROBE, {"scale": 4.0}))
+    peft_model.save_pretrained(tmp_path / "peft")
+    written = json.loads((tmp_path / "peft" / CONFIG_NAME).read_text())["weights_sha256"]
+    assert written == sha256((tmp_path / "peft" / WEIGHTS_NAME).read_bytes())
+    ZoomAdapter.from_pretrained(tmp_path / "peft")
+    PeftModel.from_pretrained(load_model("tiny-llama")[0], str(tmp_path / "peft"))
+
+
+def test_peft_loads_a_zoomkv_folder_after_just_import_zoomkv(tmp_path, llama):  # noqa: F811
+    pytest.importorskip("peft")
+    folder = ZoomAdapter.initialise(llama[0], "sekv", {"proj_dim": 4, "share_projector": True, "r_max": 8},
+                                    name="tiny-llama").save_pretrained(tmp_path / "sekv")
+    script = textwrap.dedent("""
+        import sys
+        import zoomkv
+        assert "peft" not in sys.modules, "import zoomkv imported peft"
+        from peft import PeftModel
+        from zoomkv.models import load_model
+        model = PeftModel.from_pretrained(load_model("tiny-llama")[0], sys.argv[1])
+        print(type(model.peft_config["default"]).__name__)
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ZoomKVPeftConfig"

@@ -10,6 +10,51 @@ from zoomkv.memory import LayerMemory, MemoryReport, ZoomCache, attach
 from zoomkv.methods import get_method, list_methods, register_method
 from zoomkv.version import __version__
 
+
+def _register_with_peft() -> None:
+    """``PeftModel.from_pretrained(base, zoomkv_adapter_folder)`` works after ``import zoomkv``: zoomkv becomes
+    a PEFT method (``zoomkv.adapters.peft_integration``) as soon as peft is imported, now if it already is,
+    else through a one-shot import hook. ``import zoomkv`` itself never imports peft."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    def register() -> None:
+        if "zoomkv.adapters.peft_integration" in sys.modules:
+            return  # being imported (it imports peft, then registers itself)
+        try:
+            import zoomkv.adapters.peft_integration  # noqa: F401  (registers on import)
+        except Exception as err:  # never break the user's `import peft`
+            import warnings
+
+            warnings.warn(f"zoomkv could not register itself as a PEFT method: {err}", stacklevel=2)
+
+    if "peft" in sys.modules:
+        register()
+        return
+
+    class PeftImportHook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+            if name != "peft":
+                return None
+            sys.meta_path.remove(self)  # once: the real finders locate peft
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_then_register(module):  # type: ignore[no-untyped-def]
+                exec_module(module)
+                register()
+
+            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, PeftImportHook())
+
+
+_register_with_peft()
+
 __all__ = [
     "__version__",
     "Budget",

@@ -6,6 +6,7 @@ A training checkpoint folder holds (other files, e.g. optimizer state or the res
     adapter_state.safetensors   the adapter modules' state_dict (module_tensors(modules))
     adapter_meta.json           {"method": str, "hyper": {...}, "base_model": base_fingerprint(model),
                                  "shape": ModelShape.from_model(model).to_dict(),
+                                 "state_sha256": of adapter_state.safetensors (checked on every read),
                                  "budget": optional, "step": optional, ...}
 
 ``write_checkpoint`` writes exactly that, for the training loop to call. An exported adapter folder is a
@@ -23,12 +24,12 @@ import torch
 from zoomkv.adapters.config import CONFIG_NAME
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
 from zoomkv.adapters.files import write_folder_atomically
-from zoomkv.adapters.weights import module_tensors, read_weights, tensors_to_bytes
+from zoomkv.adapters.weights import module_tensors, read_weights, sha256, tensors_to_bytes
 from zoomkv.protocol.shape import ModelShape
 
 STATE_NAME = "adapter_state.safetensors"
 META_NAME = "adapter_meta.json"
-META_REQUIRED = ("method", "hyper", "base_model", "shape")
+META_REQUIRED = ("method", "hyper", "base_model", "shape", "state_sha256")
 
 
 def checkpoint_files(modules: torch.nn.Module, *, method: str, hyper: dict[str, Any], base_model: dict[str, Any],
@@ -36,10 +37,10 @@ def checkpoint_files(modules: torch.nn.Module, *, method: str, hyper: dict[str, 
                      extra: dict[str, Any] | None = None) -> dict[str, bytes]:
     """The two files of a checkpoint (name → bytes), for callers that add files of their own (the trainer
     adds its optimizer state) before writing the folder atomically."""
+    state = tensors_to_bytes(module_tensors(modules))
     meta = {"method": method, "hyper": hyper, "base_model": base_model, "shape": shape.to_dict(),
-            "budget": budget, **(extra or {})}
-    return {STATE_NAME: tensors_to_bytes(module_tensors(modules)),
-            META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
+            "budget": budget, **(extra or {}), "state_sha256": sha256(state)}
+    return {STATE_NAME: state, META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
 
 
 def write_checkpoint(folder: str | Path, modules: torch.nn.Module, *, method: str, hyper: dict[str, Any],
@@ -79,4 +80,4 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], ModelShape, dict[
         shape = ModelShape(**shape_data)
     except TypeError as err:
         raise AdapterConfigError(f"{path / META_NAME}: invalid 'shape' ({err})") from err
-    return meta, shape, read_weights(path / STATE_NAME)
+    return meta, shape, read_weights(path / STATE_NAME, meta["state_sha256"], recorded_in=str(path / META_NAME))

@@ -116,7 +116,7 @@ class ZoomAdapter:
         else:
             folder = resolve_adapter(name_or_path, revision=revision, token=token, local_files_only=local_files_only)
             config = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME)
-            tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256)
+            tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256, recorded_in=str(folder / CONFIG_NAME))
             adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
         if model is not None:
             adapter.check_base(model)

@@ -45,6 +45,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import PeftType
 
 from zoomkv.adapters.config import (
+    CONFIG_NAME,
     FORMAT_VERSION,
     LIBRARY_NAME,
     PEFT_TYPE,
@@ -52,8 +53,16 @@ from zoomkv.adapters.config import (
     WEIGHTS_NAME,
     ZoomAdapterConfig,
 )
-from zoomkv.adapters.errors import AdapterError, AdapterKeysError, AdapterShapeError, BaseModelMismatchError
+from zoomkv.adapters.errors import (
+    AdapterError,
+    AdapterKeysError,
+    AdapterNotFoundError,
+    AdapterShapeError,
+    AdapterWeightsError,
+    BaseModelMismatchError,
+)
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
+from zoomkv.adapters.weights import read_weights, sha256
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
 PEFT_NAME = "zoomkv"
@@ -117,6 +126,41 @@ class ZoomKVPeftConfig(PeftConfig):
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(ZoomAdapterConfig)}
         data["weights_sha256"] = None  # PEFT writes the weights itself, after this config
         return ZoomAdapterConfig.from_dict(data, source="PEFT adapter config")
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """PEFT's ``save_pretrained`` writes the weights, then this config: record the weights' checksum in it,
+        as ``zoomkv export`` does, so every loader can verify them."""
+        weights = Path(save_directory) / WEIGHTS_NAME
+        if weights.is_file():
+            self.weights_sha256 = sha256(weights.read_bytes())
+        super().save_pretrained(save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None,
+                        **kwargs: Any) -> ZoomKVPeftConfig:
+        """The config, and the weights next to it read and verified against its ``weights_sha256`` (refused
+        when it is missing or differs; never an ``adapter_model.bin``). Every PEFT load path
+        (``PeftModel.from_pretrained``, ``load_adapter``) reads the config here; the tuner then checks that
+        the tensors PEFT loads are exactly these (``_remap_adapter_state_dict_for_load``)."""
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        local = Path(pretrained_model_name_or_path) / (subfolder or "")
+        if local.is_dir():
+            weights = local / WEIGHTS_NAME
+        else:
+            from huggingface_hub import hf_hub_download
+
+            try:
+                weights = Path(hf_hub_download(pretrained_model_name_or_path, WEIGHTS_NAME, subfolder=subfolder,
+                                               **cls._split_kwargs(kwargs)[0]))
+            except Exception as err:  # the Hub's many errors: not found, offline, no access
+                raise AdapterNotFoundError(f"PEFT adapter {pretrained_model_name_or_path!r}: no {WEIGHTS_NAME} "
+                                           f"(pickled adapter_model.bin files are never loaded): {err}") from err
+        if not weights.is_file():
+            raise AdapterNotFoundError(f"{weights.parent}: no {WEIGHTS_NAME} (pickled adapter_model.bin files are "
+                                       "never loaded)")
+        tensors = read_weights(weights, config.weights_sha256, recorded_in=f"{weights.parent / CONFIG_NAME}")
+        config._zoomkv_verified = _plain_keys(tensors)
+        return config
 
 
 class ZoomKVLayer(BaseTunerLayer):
@@ -184,8 +228,16 @@ class ZoomKVTuner(BaseTuner):
         zoomkv export's plain module keys (``x``)."""
         tuner = getattr(model, "base_model", model)
         own = tuner.zoomkv_modules[adapter_name].state_dict()
-        prefix = CHECKPOINT_PREFIX if any(k.startswith(CHECKPOINT_PREFIX) for k in state_dict) else ""
-        plain = {k.removeprefix(prefix): v for k, v in state_dict.items() if not prefix or k.startswith(prefix)}
+        plain = _plain_keys(state_dict)
+        verified = getattr(config, "_zoomkv_verified", None)
+        if verified is None:
+            raise AdapterWeightsError(
+                f"PEFT adapter {adapter_name!r}: its weights were not verified against the config's weights_sha256; "
+                "load it with PeftModel.from_pretrained(model, folder) or load_adapter(folder, name) without config="
+            )
+        if plain.keys() != verified.keys() or any(not torch.equal(v.cpu(), verified[k]) for k, v in plain.items()):
+            raise AdapterWeightsError(f"PEFT adapter {adapter_name!r}: the weights PEFT loaded are not the ones "
+                                      "verified against the config's checksum (the file changed while loading?)")
         missing = sorted(set(own) - set(plain))
         unexpected = sorted(set(plain) - set(own))
         if missing or unexpected:
@@ -195,6 +247,12 @@ class ZoomKVTuner(BaseTuner):
         if wrong:
             raise AdapterShapeError(f"PEFT adapter {adapter_name!r}: wrong shape(s): {'; '.join(wrong)}")
         return {f"base_model.{CONTAINER}.{adapter_name}.{k}": v for k, v in plain.items()}
+
+
+def _plain_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module keys as ``ZoomAdapter`` names them, from PEFT's (``base_model.zoomkv_modules.x``) or plain ones."""
+    prefix = CHECKPOINT_PREFIX if any(k.startswith(CHECKPOINT_PREFIX) for k in state_dict) else ""
+    return {k.removeprefix(prefix): v for k, v in state_dict.items() if not prefix or k.startswith(prefix)}
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """Adapter weights as safetensors: tensors and a JSON header, nothing that executes on load.
 
-Reading is strict: a truncated or corrupt file, a checksum that does not match the config, tensors the
+Reading is strict: a truncated or corrupt file, a checksum that is missing or does not match, tensors the
 method's modules lack or need, and shapes other than the modules' are each a distinct error.
 """
 
@@ -38,12 +38,19 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_weights(path: str | Path, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, expected_sha256: str | None, *, recorded_in: str = "its config") -> dict[str, torch.Tensor]:
+    """The tensors of ``path``, after checking its bytes against ``expected_sha256``. The checksum is never
+    optional: a file whose checksum was not recorded (``None``) is refused, not loaded unverified."""
     path = Path(path)
     if not path.is_file():
         raise AdapterNotFoundError(f"no adapter weights at {path}")
+    if not isinstance(expected_sha256, str):
+        raise AdapterWeightsError(
+            f"{path}: no checksum recorded in {recorded_in} (weights_sha256), so the weights cannot be verified and "
+            "are not loaded; export the adapter again with zoomkv (zoomkv export FOLDER --out NEW)"
+        )
     data = path.read_bytes()
-    if expected_sha256 is not None and sha256(data) != expected_sha256:
+    if sha256(data) != expected_sha256.lower():
         raise AdapterWeightsError(
             f"{path}: checksum mismatch (the file is corrupt or truncated, or not the one its config describes)"
         )

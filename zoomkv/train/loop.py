@@ -33,13 +33,15 @@ import yaml
 from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, checkpoint_files
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.model import ZoomAdapter, fingerprint_diff
-from zoomkv.adapters.weights import load_into, read_weights, tensors_to_bytes
+from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import curriculum_index, make_samples
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.registry import get_method
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
+from zoomkv.train import deepspeed_engine
 from zoomkv.train.config import TrainConfig, save_resolved
+from zoomkv.train.deepspeed_engine import deepspeed_requested
 from zoomkv.train.teacher import CachedSamples, build_cache, load_sample
 
 # Shapes of models too big to load for a dry run: the trainable fraction needs only their config.
@@ -120,10 +122,11 @@ def adapter_hyper(adapter: torch.nn.Module, cfg: TrainConfig) -> dict[str, Any]:
 def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: torch.nn.Module, optimizer: Any,
                     shape: ModelShape, fingerprint: dict[str, Any]) -> None:
     """One folder, written whole then renamed (a kill mid-save leaves the previous one as ``latest``):
-    the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe."""
+    the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe.
+    ``optimizer``: the optimizer, or its ``state_dict()`` (DeepSpeed's is gathered by every process)."""
     files = checkpoint_files(adapter, method=cfg.method, hyper=adapter_hyper(adapter, cfg), base_model=fingerprint,
                              shape=shape, budget=cfg.budget, extra={"step": step})
-    state = optimizer.state_dict()
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, entries in state["state"].items():
         for key, value in entries.items():
@@ -132,7 +135,8 @@ def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: torch.n
             else:
                 scalars[f"{index}.{key}"] = value
     files[OPTIMIZER_NAME] = tensors_to_bytes(tensors)
-    trainer = {"step": step, "param_groups": state["param_groups"], "optimizer_scalars": scalars}
+    trainer = {"step": step, "param_groups": state["param_groups"], "optimizer_scalars": scalars,
+               "optimizer_sha256": sha256(files[OPTIMIZER_NAME])}
     files[TRAINER_NAME] = (json.dumps(trainer, indent=2, sort_keys=True) + "\n").encode("utf-8")
     files["train_config.yaml"] = yaml.safe_dump(cfg.to_dict(), sort_keys=True).encode("utf-8")
     files["DONE"] = str(step).encode()
@@ -182,11 +186,16 @@ def load_checkpoint_state(folder: Path, adapter: torch.nn.Module, optimizer: Any
     try:
         trainer = json.loads((folder / TRAINER_NAME).read_text(encoding="utf-8"))
         step = int(trainer["step"])
+        meta = json.loads((folder / META_NAME).read_text(encoding="utf-8"))
+        state_sha, optimizer_sha = meta["state_sha256"], trainer["optimizer_sha256"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{folder} is not a training checkpoint of this trainer ({err})") from err
-    load_into(adapter, read_weights(folder / STATE_NAME), source=str(folder / STATE_NAME))
+    # Both files verified against the checksums written with them, like every adapter file zoomkv reads.
+    load_into(adapter, read_weights(folder / STATE_NAME, state_sha, recorded_in=str(folder / META_NAME)),
+              source=str(folder / STATE_NAME))
     state: dict[int, dict[str, Any]] = {}
-    for name, tensor in read_weights(folder / OPTIMIZER_NAME).items():
+    for name, tensor in read_weights(folder / OPTIMIZER_NAME, optimizer_sha,
+                                     recorded_in=str(folder / TRAINER_NAME)).items():
         index, key = name.split(".", 1)
         state.setdefault(int(index), {})[key] = tensor
     for name, value in trainer.get("optimizer_scalars", {}).items():
@@ -260,7 +269,7 @@ def load_corpus(cfg: TrainConfig) -> Haystack | None:
 
 def train(cfg: TrainConfig) -> Path:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
 
     from zoomkv.models import load_model
@@ -278,8 +287,13 @@ def train(cfg: TrainConfig) -> Path:
             print("tensorboard is not installed: logging to the console only "
                   "(pip install 'zoomkv[train]', or set tensorboard: false in the recipe)")
     # cpu=True without CUDA: processes started by torchrun (accelerate's multi-process launcher) then join
-    # over gloo as MULTI_CPU instead of each training alone.
-    accelerator = Accelerator(log_with=log_with, project_dir=str(run_dir), cpu=not torch.cuda.is_available())
+    # over gloo as MULTI_CPU instead of each training alone. Not under DeepSpeed: cpu=True would drop it
+    # (its CPU accelerator, DS_ACCELERATOR=cpu, runs without CUDA).
+    ds = deepspeed_requested()
+    accelerator = Accelerator(log_with=log_with, project_dir=str(run_dir),
+                              cpu=not torch.cuda.is_available() and not ds,
+                              **(deepspeed_engine.accelerator_kwargs() if ds else {}))
+    ds = accelerator.distributed_type == DistributedType.DEEPSPEED
     say = accelerator.print
     set_seed(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -316,12 +330,18 @@ def train(cfg: TrainConfig) -> Path:
         training.prepare(adapter, cfg, cached)
     report_before = training.report(adapter, cfg, cached[-2:])
     optimizer = torch.optim.AdamW(training.param_groups(adapter, cfg), weight_decay=cfg.weight_decay)
+    param_lists = [list(group["params"]) for group in optimizer.param_groups]
+    if ds:  # the engine's batch, accumulation and clipping come from the recipe
+        deepspeed_engine.configure(accelerator, cfg.samples_per_step, cfg.grad_clip,
+                                   sum(p.numel() for group in param_lists for p in group), say)
     adapter, optimizer = accelerator.prepare(adapter, optimizer)
     raw = accelerator.unwrap_model(adapter)
+    # what checkpoints read and write: torch.optim's state_dict format, ZeRO's partitions gathered into it
+    moments = deepspeed_engine.ZeroOptimizerState(adapter, param_lists) if ds else optimizer
     fingerprint = base_fingerprint(model, name=cfg.model)
     start_step = 0
     if resume is not None:
-        start_step = load_checkpoint_state(resume, raw, optimizer)
+        start_step = load_checkpoint_state(resume, raw, moments)
         say(f"resumed from {resume} at step {start_step}")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -349,14 +369,23 @@ def train(cfg: TrainConfig) -> Path:
             layers = sorted(rng.sample(layers_all, min(cfg.layers_per_step or len(layers_all), len(layers_all))))
             loss, logs = training.step_loss(raw, sample, layers, cfg, step, rng)
             total_loss = total_loss + loss.detach().float().cpu()
-            accelerator.backward(loss / per_proc)
-        average_gradients(accelerator, adapter, raw)
-        stop_unless_finite(accelerator, step, run_dir, loss=total_loss, grad_norm=gradient_norm(raw))
-        if cfg.grad_clip > 0:
-            accelerator.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        stop_unless_finite(accelerator, step, run_dir, adapter=raw)  # an update can overflow too
+            if ds:  # the engine divides by samples_per_step, reduces, clips and steps after the last one
+                stop_unless_finite(accelerator, step, run_dir, loss=loss.detach().float().cpu())
+                with accelerator.accumulate(adapter):
+                    accelerator.backward(loss)
+            else:
+                accelerator.backward(loss / per_proc)
+        if ds:
+            stop_unless_finite(accelerator, step, run_dir, grad_norm=deepspeed_engine.global_grad_norm(adapter),
+                               adapter=raw)
+        else:
+            average_gradients(accelerator, adapter, raw)
+            stop_unless_finite(accelerator, step, run_dir, loss=total_loss, grad_norm=gradient_norm(raw))
+            if cfg.grad_clip > 0:
+                accelerator.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stop_unless_finite(accelerator, step, run_dir, adapter=raw)  # an update can overflow too
         bar.update(1)
         if logs and (step % cfg.log_every == 0 or step == 1):
             bar.set_postfix(loss=f"{logs['loss']:.4f}")
@@ -366,8 +395,9 @@ def train(cfg: TrainConfig) -> Path:
                 accelerator.log({f"train/{k}": v for k, v in logs.items()}, step=step)
         if step % cfg.save_every == 0 or step == cfg.steps:
             accelerator.wait_for_everyone()
+            state = moments.state_dict()  # every process: DeepSpeed gathers its partitions
             if accelerator.is_main_process:
-                save_checkpoint(run_dir, step, cfg, raw, optimizer, shape, fingerprint)
+                save_checkpoint(run_dir, step, cfg, raw, state, shape, fingerprint)
             accelerator.wait_for_everyone()
         if cfg.kill_at_step and step == cfg.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
