@@ -285,3 +285,85 @@ def test_peft_loads_a_zoomkv_folder_after_just_import_zoomkv(tmp_path, llama):  
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ZoomKVPeftConfig"
+
+
+# -- 4. sizes checked before anything is allocated; no path followed -------------------------------------
+
+
+def _sekv_folder(tmp_path: Path, model) -> Path:
+    adapter = ZoomAdapter.initialise(model, "sekv", {"proj_dim": 4, "share_projector": True, "r_max": 8},
+                                     name="tiny-llama")
+    return adapter.save_pretrained(tmp_path / "sekv")
+
+
+@pytest.mark.parametrize("r_max", [1e9, 2e7])
+def test_huge_sizes_in_an_adapter_config_are_refused_before_allocating(tmp_path, llama, r_max):  # noqa: F811
+    folder = _sekv_folder(tmp_path, llama[0])
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    _edit_config(folder, hyper={**config["hyper"], "r_max": r_max})
+    with pytest.raises(AdapterConfigError, match="refused before allocating"):
+        ZoomAdapter.from_pretrained(folder)
+    # With the base model's size forged too, the weights file's own shapes refuse it, still before allocating:
+    # measured in a fresh process, the load's peak memory stays far below the 1.3 GB r_max=2e7 would take.
+    _edit_config(folder, shape={**config["shape"], "num_parameters": 10**15})
+    script = textwrap.dedent("""
+        import resource, sys
+        from zoomkv.adapters.model import ZoomAdapter
+        from zoomkv.adapters.errors import AdapterShapeError
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            ZoomAdapter.from_pretrained(sys.argv[1])
+        except AdapterShapeError as err:
+            print("refused:", err)
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused, grown_mb = done.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused:") and "rank_gate: file (4, 2, 2, 8)" in refused, done.stdout
+    assert int(grown_mb) < 200, done.stdout
+
+
+def test_bad_sizes_through_the_cli_and_peft(tmp_path, llama, capsys):  # noqa: F811
+    from zoomkv.adapters.errors import AdapterShapeError
+    from zoomkv.cli import main
+
+    folder = _sekv_folder(tmp_path, llama[0])
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    for hyper, shape, match in (
+        ({"r_max": "abc"}, {}, "'r_max' must be an integer >= 1"),
+        ({"proj_dim": -3}, {}, "'proj_dim' must be an integer >= 1"),
+        ({}, {"head_dim": "x"}, "head_dim must be an integer"),
+        ({}, {"layer_types": 7}, "layer_types must be a list"),
+    ):
+        _edit_config(folder, hyper={**config["hyper"], **hyper}, shape={**config["shape"], **shape})
+        assert main(["export", str(folder), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0], err
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    from zoomkv.models import load_model
+
+    _edit_config(folder, hyper={**config["hyper"], "r_max": 2e7},
+                 shape={**config["shape"], "num_parameters": 10**15})
+    with pytest.raises(AdapterShapeError, match=r"rank_gate: file \(4, 2, 2, 8\)"):
+        PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
+
+
+def test_an_adapter_config_never_names_a_file(tmp_path, llama):  # noqa: F811
+    from zoomkv.methods.semantic_id.projector import SemanticProjector
+
+    outside = tmp_path / "outside.safetensors"
+    SemanticProjector(16, 8, 16).save(outside)
+    adapter = ZoomAdapter.initialise(llama[0], "semantic_id", {"sem_dim": 8, "hidden": 16}, name="tiny-llama")
+    folder = adapter.save_pretrained(tmp_path / "sem")
+    assert ZoomAdapter.from_pretrained(folder).make_method().config.projector is None
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    _edit_config(folder, hyper={**config["hyper"], "projector": str(outside)})
+    with pytest.raises(ConfigError, match="'projector' names a file"):
+        ZoomAdapter.from_pretrained(folder)
+    adapter.config.hyper["projector"] = str(outside)  # a config built in code: make_method refuses it too
+    with pytest.raises(AdapterConfigError, match=r"\['projector'\] name a file"):
+        adapter.make_method()

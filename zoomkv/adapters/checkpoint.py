@@ -25,6 +25,7 @@ from zoomkv.adapters.config import CONFIG_NAME
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.weights import module_tensors, read_weights, sha256, tensors_to_bytes
+from zoomkv.errors import ConfigError
 from zoomkv.protocol.shape import ModelShape
 
 STATE_NAME = "adapter_state.safetensors"
@@ -74,10 +75,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], ModelShape, dict[
     missing = [k for k in META_REQUIRED if k not in meta]
     if missing:
         raise AdapterConfigError(f"{path / META_NAME}: missing field(s) {missing}")
-    shape_data = dict(meta["shape"])
-    shape_data["layer_types"] = tuple(shape_data.get("layer_types", ()))
+    for key, kind in (("method", str), ("hyper", dict), ("base_model", dict), ("state_sha256", str)):
+        if not isinstance(meta[key], kind):
+            raise AdapterConfigError(f"{path / META_NAME}: field {key!r} has type {type(meta[key]).__name__}")
     try:
-        shape = ModelShape(**shape_data)
-    except TypeError as err:
+        shape = ModelShape.from_dict(meta["shape"])
+    except ConfigError as err:
         raise AdapterConfigError(f"{path / META_NAME}: invalid 'shape' ({err})") from err
     return meta, shape, read_weights(path / STATE_NAME, meta["state_sha256"], recorded_in=str(path / META_NAME))

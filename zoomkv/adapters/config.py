@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError, AdapterVersionError
+from zoomkv.errors import ConfigError
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape
 
 CONFIG_NAME = "adapter_config.json"
@@ -54,11 +55,9 @@ class ZoomAdapterConfig:
     library_name: str = LIBRARY_NAME
 
     def model_shape(self) -> ModelShape:
-        data = dict(self.shape)
-        data["layer_types"] = tuple(data.get("layer_types", ()))
         try:
-            return ModelShape(**data)
-        except TypeError as err:
+            return ModelShape.from_dict(self.shape)
+        except ConfigError as err:
             raise AdapterConfigError(f"adapter config: invalid 'shape' ({err})") from err
 
     def to_dict(self) -> dict[str, Any]:

@@ -33,16 +33,65 @@ from zoomkv.adapters.config import (
 from zoomkv.adapters.errors import AdapterConfigError, AdapterError, BaseModelMismatchError
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.hub import push_folder, resolve_adapter
-from zoomkv.adapters.weights import load_into, module_tensors, read_weights, sha256, tensors_to_bytes
-from zoomkv.errors import ConfigError
+from zoomkv.adapters.weights import (
+    check_tensors,
+    load_into,
+    module_tensors,
+    read_weights,
+    sha256,
+    tensors_to_bytes,
+)
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.cache import ZoomCache, attach
 from zoomkv.protocol.registry import METHODS, get_method, get_training
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, base_fingerprint
 
 
-def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
-    """The trainable modules an adapter config describes, built by the method's registered training."""
-    return get_training(method).build_modules(shape, hyper)
+def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
+                          tensors: dict[str, torch.Tensor] | None = None, *,
+                          source: str = "adapter weights") -> torch.nn.Module:
+    """The trainable modules an adapter config describes, built by the method's registered training.
+
+    Sizes come from a config that may have been downloaded, so they are checked before anything is allocated:
+    the modules are first built on the meta device (no memory), their parameter count held against the base
+    model's (``ModelShape.parameter_bound``) and, with ``tensors`` (the weights file's), every key and shape
+    against the file's. Only then are they built for real: loading never allocates more than the weights it
+    names. (A builder that cannot run on the meta device, reading tensor data, skips the first step.)"""
+    training = get_training(method)
+    planned = _build(training, method, shape, hyper, meta=True)
+    if planned is not None:
+        expected = planned.state_dict()
+        size = sum(t.numel() for t in expected.values())
+        if size > shape.parameter_bound():
+            raise AdapterConfigError(
+                f"{method} adapter: its hyper-parameters ({_sizes(hyper)}) make {size} parameters, more than the "
+                f"base model's {shape.parameter_bound()}; refused before allocating them"
+            )
+        if tensors is not None:
+            check_tensors(expected, tensors, source)
+    modules = _build(training, method, shape, hyper, meta=False)
+    assert modules is not None
+    return modules
+
+
+def _sizes(hyper: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in hyper.items() if isinstance(v, int | float) and not isinstance(v, bool))
+
+
+def _build(training: Any, method: str, shape: ModelShape, hyper: dict[str, Any], *, meta: bool) -> Any:
+    try:
+        if not meta:
+            return training.build_modules(shape, hyper)
+        with torch.device("meta"):
+            return training.build_modules(shape, hyper)
+    except ZoomKVError:
+        raise
+    except (NotImplementedError, RuntimeError) as err:
+        if meta and (isinstance(err, NotImplementedError) or "meta" in str(err)):
+            return None  # the builder reads tensor data: it cannot be planned without memory
+        raise AdapterConfigError(f"{method} adapter: hyper-parameters that build no modules ({err})") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        raise AdapterConfigError(f"{method} adapter: invalid hyper-parameters ({err})") from err
 
 
 def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
@@ -91,9 +140,10 @@ class ZoomAdapter:
     @classmethod
     def from_config_and_tensors(cls, config: ZoomAdapterConfig, tensors: dict[str, torch.Tensor],
                                 source: str = "adapter") -> ZoomAdapter:
-        modules = build_adapter_modules(config.method, config.model_shape(), dict(config.hyper))
         if tensors and all(k.startswith(PEFT_WEIGHTS_PREFIX) for k in tensors):  # saved by PeftModel
             tensors = {k.removeprefix(PEFT_WEIGHTS_PREFIX): v for k, v in tensors.items()}
+        modules = build_adapter_modules(config.method, config.model_shape(), dict(config.hyper), tensors,
+                                        source=source)
         load_into(modules, tensors, source=source)
         modules.eval()
         return cls(config, modules)
@@ -109,7 +159,8 @@ class ZoomAdapter:
         local = Path(name_or_path).expanduser() if isinstance(name_or_path, str | Path) else None
         if local is not None and local.is_dir() and is_checkpoint(local):
             meta, shape, tensors = read_checkpoint(local)
-            modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]))
+            modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]), tensors,
+                                            source=str(local / STATE_NAME))
             load_into(modules, tensors, source=str(local / STATE_NAME))
             adapter = cls.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
                                        fingerprint=meta["base_model"], budget=meta.get("budget"))
@@ -178,6 +229,11 @@ class ZoomAdapter:
             raise ConfigError(f"adapter method {name!r} is not a registered KV method")
         cls = METHODS[name]
         fields = {f.name for f in dataclasses.fields(cls.config_class)}
+        paths = sorted(f.name for f in dataclasses.fields(cls.config_class)
+                       if f.metadata.get("path") and self.config.hyper.get(f.name) is not None)
+        if paths:  # an adapter's weights are its own folder's: a config value is never followed as a path
+            raise AdapterConfigError(f"{name} adapter: hyper-parameter(s) {paths} name a file; an adapter "
+                                     "config may not point outside its folder")
         kwargs = {k: v for k, v in self.config.hyper.items() if k in fields}
         kwargs.update(overrides)
         if "adapter" in inspect.signature(cls.__init__).parameters or "adapter" in fields:

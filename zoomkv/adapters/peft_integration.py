@@ -181,7 +181,10 @@ class ZoomKVTuner(BaseTuner):
         diff = fingerprint_diff(zoom.base_model, actual)
         if diff:
             raise BaseModelMismatchError(zoom.base_model, actual, diff)
-        modules = build_adapter_modules(zoom.method, zoom.model_shape(), dict(zoom.hyper))
+        # Against the verified weights (PeftModel.from_pretrained) before anything is allocated.
+        verified = getattr(config, "_zoomkv_verified", None)
+        modules = build_adapter_modules(zoom.method, zoom.model_shape(), dict(zoom.hyper), verified,
+                                        source=f"PEFT adapter {adapter_name!r}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for p in model.parameters():  # the base model is frozen: only the adapter trains
             p.requires_grad_(False)

@@ -63,7 +63,14 @@ def read_weights(path: str | Path, expected_sha256: str | None, *, recorded_in: 
 
 def load_into(modules: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "adapter weights") -> None:
     """Copy ``tensors`` into ``modules`` after checking the key set and every shape (strictly)."""
-    expected = modules.state_dict()
+    check_tensors(modules.state_dict(), tensors, source)
+    modules.load_state_dict(tensors, strict=True)
+
+
+def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                  source: str = "adapter weights") -> None:
+    """``tensors`` have exactly the keys and shapes of ``expected`` (a state dict, possibly of modules built on
+    the meta device: then nothing has been allocated yet)."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -80,4 +87,3 @@ def load_into(modules: torch.nn.Module, tensors: dict[str, torch.Tensor], source
     ]
     if wrong:
         raise AdapterShapeError(f"{source}: wrong shape(s): {'; '.join(wrong)}")
-    modules.load_state_dict(tensors, strict=True)

@@ -25,6 +25,44 @@ class ModelShape:
     layer_types: tuple[str, ...]
     num_parameters: int | None = None  # of the base model, when known (for the trainable fraction)
 
+    def __post_init__(self) -> None:
+        # Read from adapter configs too (downloaded files): every size is checked before anything uses it.
+        def count(name: str, value: Any, low: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"model shape: {name} must be an integer >= {low}, got {value!r}")
+
+        if not isinstance(self.model_type, str):
+            raise ConfigError(f"model shape: model_type must be a string, got {self.model_type!r}")
+        for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size"):
+            count(name, getattr(self, name), 1)
+        count("max_position_embeddings", self.max_position_embeddings, 0)
+        if self.num_parameters is not None:
+            count("num_parameters", self.num_parameters, 1)
+        if not isinstance(self.layer_types, tuple) or not all(isinstance(t, str) for t in self.layer_types):
+            raise ConfigError(f"model shape: layer_types must be a list of strings, got {self.layer_types!r}")
+
+    def parameter_bound(self) -> int:
+        """The most parameters an adapter for this model may have: the base model's own count (an adapter is
+        a small fraction of it), or, when that is not known, a transformer's count estimated from the shape."""
+        if self.num_parameters:
+            return self.num_parameters
+        return self.num_layers * 12 * self.hidden_size**2 + 2 * self.vocab_size * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelShape:
+        """A shape as ``to_dict`` wrote it (an adapter config's or checkpoint's ``shape``), checked."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"model shape: expected a mapping, got {type(data).__name__}")
+        data = dict(data)
+        types = data.get("layer_types", ())
+        if not isinstance(types, list | tuple):
+            raise ConfigError(f"model shape: layer_types must be a list of strings, got {types!r}")
+        data["layer_types"] = tuple(types)
+        try:
+            return cls(**data)
+        except TypeError as err:  # unknown or missing fields
+            raise ConfigError(f"model shape: {err}") from None
+
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zoomkv.errors import ConfigError
 from zoomkv.protocol.shape import ModelShape
 
 DEFAULT_R_MAX = 32
@@ -68,16 +69,33 @@ def _param_count(n_layers: int, kv_heads: int, head_dim: int, proj_dim: int, sha
     return n_layers + 2 * n_proj * proj_dim * head_dim + n_layers * kv_heads + n_layers * kv_heads * 2 * r_max
 
 
+def hyper_int(hyper: dict[str, Any], key: str, default: Any, low: int) -> Any:
+    """``hyper[key]`` as an int >= ``low`` (an integral float, as JSON may write it, is accepted; "auto" is
+    passed through where it is the default), else a ``ConfigError`` naming the key."""
+    value = hyper.get(key, default)
+    if value == "auto" and default == "auto":
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"sekv hyper-parameter {key!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
 def choose_size(shape: ModelShape, hyper: dict[str, Any]) -> tuple[int, bool]:
     """``(proj_dim, share_projector)``: the hyper-parameters when given, else the largest projector (per layer
     before shared) that keeps the adapter under ``max_trainable_fraction`` of the base model."""
     n_layers = len(shape.full_attention_layers)
-    r_max = int(hyper.get("r_max", DEFAULT_R_MAX))
-    proj_dim = hyper.get("proj_dim", "auto")
+    r_max = hyper_int(hyper, "r_max", DEFAULT_R_MAX, 1)
+    proj_dim = hyper_int(hyper, "proj_dim", "auto", 1)
     shared = hyper.get("share_projector", "auto")
+    if shared != "auto" and not isinstance(shared, bool):
+        raise ConfigError(f"sekv hyper-parameter 'share_projector' must be true, false or \"auto\", got {shared!r}")
     if proj_dim != "auto" and shared != "auto":
-        return int(proj_dim), bool(shared)
-    limit = float(hyper.get("max_trainable_fraction", DEFAULT_MAX_FRACTION))
+        return proj_dim, shared
+    limit = hyper.get("max_trainable_fraction", DEFAULT_MAX_FRACTION)
+    if not isinstance(limit, int | float) or isinstance(limit, bool) or not 0 < limit <= 1:
+        raise ConfigError(f"sekv hyper-parameter 'max_trainable_fraction' must lie in (0, 1], got {limit!r}")
     dims = [int(proj_dim)] if proj_dim != "auto" else [64, 32, 16, 8, 4, 2, 1]
     modes = [bool(shared)] if shared != "auto" else [False, True]
     if not shape.num_parameters:
@@ -93,5 +111,5 @@ def choose_size(shape: ModelShape, hyper: dict[str, Any]) -> tuple[int, bool]:
 def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
     proj_dim, shared = choose_size(shape, hyper)
     return SeKVAdapter(len(shape.full_attention_layers), shape.num_kv_heads, shape.head_dim, proj_dim=proj_dim,
-                       share_projector=shared, r_max=int(hyper.get("r_max", DEFAULT_R_MAX)),
-                       seed=int(hyper.get("init_seed", 0)))
+                       share_projector=shared, r_max=hyper_int(hyper, "r_max", DEFAULT_R_MAX, 1),
+                       seed=hyper_int(hyper, "init_seed", 0, 0))

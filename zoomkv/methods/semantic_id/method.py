@@ -125,7 +125,8 @@ class SemanticIDConfig(MethodConfig):
     )
     projector: str | None = field(
         default=None,
-        metadata={"help": "Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init."},
+        metadata={"help": "Trained projector: a SemanticProjector safetensors file (adapters: ZoomAdapter.make_method); None: PCA init.",
+                  "path": True},  # a file: never taken from an adapter config (ZoomAdapter.make_method)
     )
     seed: int = field(default=0, metadata={"help": "seed of the SimHash hyperplanes"})
 

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zoomkv.errors import ConfigError
 from zoomkv.methods.semantic_id.method import SemanticID, SemanticIDConfig
 from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.protocol.method import check_hyperparameters
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
 
@@ -151,8 +153,14 @@ class SemanticIDTraining(MethodTraining):
     size_hint = "lower sem_dim/sem_hidden"
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector:
-        """One projector shared by every layer and KV head."""
-        cfg = SemanticIDConfig(**{k: v for k, v in hyper.items() if k in ("sem_dim", "hidden")})
+        """One projector shared by every layer and KV head. The adapter's weights are the projector: a
+        ``projector`` file named in its hyper-parameters is refused, never read."""
+        if hyper.get("projector") is not None:
+            raise ConfigError("semantic_id adapter: hyper-parameter 'projector' names a file; an adapter's projector "
+                              "is its own adapter_model.safetensors (an adapter config may not point elsewhere)")
+        sizes = {k: v for k, v in hyper.items() if k in ("sem_dim", "hidden")}
+        check_hyperparameters(SemanticIDConfig, sizes, "semantic_id")
+        cfg = SemanticIDConfig(**sizes)
         return SemanticProjector(shape.head_dim, cfg.sem_dim, cfg.hidden)
 
     def init_modules(self, recipe: Any, shape: ModelShape) -> SemanticProjector:

@@ -59,7 +59,7 @@ def pca_basis(
 
 def block_basis(sem_dim: int, dim: int) -> torch.Tensor:
     """``[sem_dim, dim]`` orthonormal rows, row j the normalised indicator of the j-th block of channels."""
-    edges = torch.linspace(0, dim, sem_dim + 1).round().long().tolist()
+    edges = torch.linspace(0, dim, sem_dim + 1, device="cpu").round().long().tolist()  # cpu: also under meta
     basis = torch.zeros(sem_dim, dim)
     for j in range(sem_dim):
         lo, hi = edges[j], max(edges[j + 1], edges[j] + 1)
