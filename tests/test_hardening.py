@@ -367,3 +367,68 @@ def test_an_adapter_config_never_names_a_file(tmp_path, llama):  # noqa: F811
     adapter.config.hyper["projector"] = str(outside)  # a config built in code: make_method refuses it too
     with pytest.raises(AdapterConfigError, match=r"\['projector'\] name a file"):
         adapter.make_method()
+
+
+# -- 5. export deletes nothing it did not write; folders follow the umask ---------------------------------
+
+
+def test_overwrite_replaces_only_the_adapters_own_files(tmp_path, probe_method, llama, capsys):  # noqa: F811
+    from zoomkv.cli import main
+
+    out = fresh_adapter(llama[0], seed=1).save_pretrained(tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    (out / "runs").mkdir()
+    (out / "runs" / "log.txt").write_text("also mine")
+    (out / "link").symlink_to("notes.txt")
+    new = fresh_adapter(llama[0], seed=2).save_pretrained(tmp_path / "new")
+    assert main(["export", str(new), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "runs" / "log.txt").read_text() == "also mine"
+    assert (out / "link").is_symlink() and (out / "link").read_text() == "mine"
+    assert (out / WEIGHTS_NAME).read_bytes() == (new / WEIGHTS_NAME).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "out"]  # no staging or old folder left
+    capsys.readouterr()
+    # A file where the folder would go is never replaced.
+    (tmp_path / "afile").write_text("keep")
+    assert main(["export", str(new), "--out", str(tmp_path / "afile"), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a folder" in err[0]
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_a_failed_overwrite_keeps_the_users_files(tmp_path, probe_method, llama, monkeypatch):  # noqa: F811
+    import zoomkv.adapters.files as files
+
+    out = fresh_adapter(llama[0], seed=1).save_pretrained(tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+
+    def crash(*args, **kwargs):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(files, "replace_folder", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        fresh_adapter(llama[0], seed=2).save_pretrained(out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    ZoomAdapter.from_pretrained(out)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o077, 0o700), (0o002, 0o775)])
+def test_adapter_and_checkpoint_folders_follow_the_umask(tmp_path, probe_method, llama, umask, mode):  # noqa: F811
+    import os
+
+    from zoomkv.adapters.checkpoint import write_checkpoint
+
+    adapter = fresh_adapter(llama[0])
+    c = adapter.config
+    before = os.umask(umask)
+    try:
+        folder = adapter.save_pretrained(tmp_path / "adapter")
+        again = adapter.save_pretrained(tmp_path / "adapter", overwrite=True)
+        ckpt = write_checkpoint(tmp_path / "ckpt", adapter.modules, method=c.method, hyper=c.hyper,
+                                base_model=c.base_model, shape=c.model_shape())
+    finally:
+        os.umask(before)
+    for path in (folder, again, ckpt):
+        assert path.stat().st_mode & 0o777 == mode, (path, oct(path.stat().st_mode))
+    assert (folder / WEIGHTS_NAME).stat().st_mode & 0o777 == 0o666 & ~umask

@@ -26,3 +26,22 @@ def replace_folder(staged: Path, target: Path, aside: Path) -> None:
         raise
     if moved:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the system says it (Linux), else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Give a folder made by ``tempfile.mkdtemp`` (always 0700) the mode ``mkdir`` would have given it."""
+    os.chmod(folder, 0o777 & ~current_umask())
