@@ -1,8 +1,8 @@
 """The zoomkv adapter as a PEFT method: ``get_peft_model``, ``PeftModel.from_pretrained``,
 ``save_pretrained`` and ``push_to_hub`` work on it.
 
-    from zoomkv.adapters.peft_integration import ZoomKVPeftConfig, cache_from_peft, register
-    register()                                            # idempotent; also done on import
+    import zoomkv                                         # registers the PEFT method once peft is imported
+    from zoomkv.adapters.peft_integration import ZoomKVPeftConfig, cache_from_peft
     peft_model = get_peft_model(model, ZoomKVPeftConfig.for_model(model, "sekv", hyper))
     peft_model.save_pretrained("out")                     # adapter_config.json + adapter_model.safetensors
     peft_model = PeftModel.from_pretrained(model, "out")  # or a folder written by `zoomkv export`
@@ -24,7 +24,11 @@ What PEFT 0.21 really offers and where it does not fit (see ``register`` and ``Z
 * PEFT loads with ``load_state_dict(strict=False)``: a missing tensor would leave random weights in
   place silently. ``ZoomKVTuner._remap_adapter_state_dict_for_load`` checks keys and shapes first and
   raises the same errors as ``ZoomAdapter.from_pretrained``. PEFT falls back to ``torch.load`` for an
-  ``adapter_model.bin``; ``load_peft_adapter`` refuses such folders, so nothing is unpickled.
+  ``adapter_model.bin``; ``ZoomKVPeftConfig.from_pretrained`` refuses folders without the safetensors file,
+  so nothing is unpickled.
+* The checksum: ``ZoomKVPeftConfig.save_pretrained`` records ``weights_sha256`` (PEFT writes the weights
+  first); ``ZoomKVPeftConfig.from_pretrained``, which every PEFT load path calls, reads the weights and
+  verifies them (a missing checksum is refused), and the tuner accepts only exactly those tensors.
 
 One folder format serves both: ``zoomkv export`` writes ``peft_type: ZOOMKV`` into
 ``adapter_config.json`` (PEFT reads it), and ``ZoomAdapter`` accepts PEFT's extra config keys and its
