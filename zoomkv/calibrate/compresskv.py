@@ -216,7 +216,12 @@ def calibrate(
     answer_tokens: int = 0,
     accept_all: bool = False,
     chat: bool = False,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
+    """The profile (a JSON-ready dict). ``progress``: a bar over the samples on stderr (None: when stderr
+    is a terminal)."""
+    from tqdm.auto import tqdm
+
     from zoomkv.data.passkey import passkey_prompt
     from zoomkv.generation import format_prompt
     from zoomkv.methods.compresskv import PROFILE_FORMAT, PROFILE_VERSION
@@ -230,8 +235,10 @@ def calibrate(
     head_sum = torch.zeros(num_layers, q_heads, dtype=torch.float64)
     err_sum = torch.zeros(num_layers, dtype=torch.float64)
     used = 0
+    bar = tqdm(range(samples), desc="calibrate compresskv", unit="sample",
+               disable=None if progress is None else not progress)
     try:
-        for i in range(samples):
+        for i in bar:
             prompt = passkey_prompt(tokenizer, length, depth=(i + 0.5) / samples, seed=i)
             text = format_prompt(tokenizer, prompt.text, chat)
             ids, needle = token_mask(tokenizer, text, needle_span(text, prompt.answer))
@@ -249,12 +256,14 @@ def calibrate(
             if not accept_all and prompt.answer not in answer:
                 continue
             used += 1
+            bar.set_postfix(used=used)
             for layer in full_layers:
                 n = max(recorder.steps.get(layer, 0), 1)
                 if layer in recorder.mass:
                     head_sum[layer] += recorder.mass[layer].double().cpu() / n
                 err_sum[layer] += recorder.error.get(layer, 0.0) / n
     finally:
+        bar.close()
         compat.set_attention(model, previous)
     if used == 0:
         raise ZoomKVError(

@@ -52,17 +52,29 @@ def calibration_ids(tokenizer: Any, text: str, tokens: int) -> torch.Tensor:
 
 
 def build_profile(model: Any, input_ids: torch.Tensor, model_name: str, partial_ratio: float = 0.2,
-                  output: Path | None = None) -> Path:
-    """Record one prefill of ``input_ids`` (``[1, T]``) and write the profile; returns its path."""
+                  output: Path | None = None, progress: bool | None = None) -> Path:
+    """Record one prefill of ``input_ids`` (``[1, T]``) and write the profile; returns its path.
+    ``progress``: a bar (the prefill, then each layer) on stderr; None: when stderr is a terminal."""
+    from tqdm.auto import tqdm
+
     from zoomkv.memory.replay import record_prefill
     from zoomkv.protocol.profiles import profile_dir
 
     if not 0.0 < partial_ratio <= 1.0:
         raise ZoomKVError(f"--partial-ratio must lie in (0, 1], got {partial_ratio}")
-    record = record_prefill(model, input_ids)
-    layers = {}
-    for i, ctx in sorted(record.contexts.items()):
-        layers[i] = skew_and_channels(ctx.queries[0].float().cpu(), ctx.keys[0].float().cpu(), partial_ratio)
+    bar = tqdm(total=1, desc="calibrate infinigen: prefill", disable=None if progress is None else not progress)
+    try:
+        record = record_prefill(model, input_ids)
+        contexts = sorted(record.contexts.items())
+        bar.total += len(contexts)
+        bar.update(1)
+        bar.set_description("calibrate infinigen: layers")
+        layers = {}
+        for i, ctx in contexts:
+            layers[i] = skew_and_channels(ctx.queries[0].float().cpu(), ctx.keys[0].float().cpu(), partial_ratio)
+            bar.update(1)
+    finally:
+        bar.close()
     if not layers:
         raise ZoomKVError(f"{model_name} has no full-attention layer to calibrate")
     text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
