@@ -104,3 +104,17 @@ def test_bad_data_is_one_line(tmp_path):
                            f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "no field 'text'" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_task_longer_than_the_curriculum_length_is_kept_whole():
+    """The shipped tiny recipe asks for 128 tokens, which a byte tokenizer's vartrack question alone
+    exceeds: the sample is the task without corpus text, not an error."""
+    from tests.helpers import load_tiny
+
+    _, byte_tok = load_tiny("tiny-llama")
+    corpus = text_haystack("python-docs")
+    samples = make_samples(byte_tok, {"vartrack": 1.0, "plain": 1.0}, 2, 128, 128, seed=0, corpus=corpus)
+    vartrack = next(s for s in samples if s.task == "vartrack")
+    assert vartrack.text.startswith("VAR ") and vartrack.text.endswith(vartrack.answer + ".")
+    plain = next(s for s in samples if s.task == "plain")
+    assert len(byte_tok(plain.text, add_special_tokens=False)["input_ids"]) <= 128

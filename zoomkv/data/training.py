@@ -92,9 +92,12 @@ def _corpus_text(tokenizer, corpus: Haystack, rng: random.Random, facts: list[st
         words = list(stream[:n]) if n <= len(stream) else corpus.take(n)
         return insert_at_depths(words, list(zip(depths, facts, strict=True))) + tail
 
-    n = fit_units(lambda n: len(tokenizer(text(n), add_special_tokens=False)["input_ids"]), length,
-                  what="training sample", start=max(16, length // 2))
-    return text(n)
+    def measure(n: int) -> int:
+        return len(tokenizer(text(n), add_special_tokens=False)["input_ids"])
+
+    if measure(0) >= length:  # the task alone fills the length (short curricula, byte tokenizers): no corpus text
+        return text(0)
+    return text(fit_units(measure, length, what="training sample", start=max(16, length // 2)))
 
 
 def make_sample(tokenizer, task: str, length: int, seed: int, corpus: Haystack | None = None) -> Sample:
