@@ -71,3 +71,22 @@ def test_eval_diagnose_writes_the_table_and_plots(tiny_llama, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
     first = json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[0])
     assert len(first["diagnostics"]["mass"]) == len(first["diagnostics"]["layers"])
+
+
+def test_needle_tokens_are_found_and_measured(tiny_llama, tmp_path):
+    from zoomkv.generation import focus_positions
+
+    _, tok = tiny_llama
+    context = "abc The number is 7281. def 7281"
+    positions = focus_positions(tok, [context], [["7281"]], pads=[3])
+    ids = tok(context, add_special_tokens=False)["input_ids"]
+    chosen = [ids[p - 3] for p in positions[0].tolist()]
+    assert tok.decode(chosen).replace(" ", "") == "72817281"  # both occurrences, shifted by the padding
+    model, _ = tiny_llama
+    cfg = EvalConfig(model="tiny-llama", out=tmp_path, methods=["full", "oracle_topk"], budgets=["48"],
+                     tasks=["niah_single_1"], lengths=[420], samples=1, diagnose=True, progress=False)
+    rows = run_eval(cfg, model=model, tokenizer=tok)
+    full = next(r for r in rows if r["method"] == "full")["diagnostics"]
+    assert full["needle_kept"] == pytest.approx(full["needle_full"]) and full["needle_full"] > 0
+    assert all(v == pytest.approx(1.0) for v in full["needle_by_step"])
+    assert "needle kept" in (tmp_path / "summary.md").read_text()

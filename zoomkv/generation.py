@@ -185,6 +185,7 @@ def generate_methods(
     prefill_chunk: int | None = None,
     keep_caches: bool = False,
     diagnose: bool = False,
+    focus: list[list[str]] | None = None,
 ) -> list[GenerationResult]:
     """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
 
@@ -195,7 +196,9 @@ def generate_methods(
     ``prefill_chunk``: no shared prefill; each method's cache takes the prompt (or context) in pieces.
     ``keep_caches``: each result keeps its cache and token sequence, so more turns can follow.
     ``diagnose``: each result's ``diagnostics`` say, per sequence, layer and KV head, what share of full
-    attention its selections kept (``zoomkv.memory.diagnostics``).
+    attention its selections kept (``zoomkv.memory.diagnostics``); with ``focus`` (per prompt, strings such
+    as the needle's answer) and ``contexts``, also the share of the attention on those strings' tokens in the
+    context that was kept (needs a tokenizer with offsets; ignored otherwise).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -212,7 +215,7 @@ def generate_methods(
                                        diagnose)
     else:
         results = _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos,
-                                  prefill_chunk, max_len, diagnose)
+                                  prefill_chunk, max_len, diagnose, focus if diagnose else None)
     if not keep_caches:
         for r in results:
             r.cache = r.sequence = None
@@ -298,9 +301,34 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
     return results
 
 
+def focus_positions(tokenizer: Any, contexts: list[str], focus: list[list[str]],
+                    pads: list[int]) -> list[torch.Tensor] | None:
+    """Per context, the positions (after ``pads[i]`` tokens of left padding) of the tokens that overlap an
+    occurrence of any of ``focus[i]``'s strings. None when the tokenizer cannot map tokens to characters."""
+    out = []
+    for context, strings, pad in zip(contexts, focus, pads, strict=True):
+        try:
+            offsets = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        except (NotImplementedError, KeyError, TypeError):
+            return None
+        spans = [(m, m + len(s)) for s in strings if s for m in _occurrences(context, s)]
+        hit = [pad + i for i, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in spans)]
+        out.append(torch.tensor(hit, dtype=torch.long))
+    return out
+
+
+def _occurrences(text: str, s: str) -> list[int]:
+    found, at = [], text.find(s)
+    while at >= 0:
+        found.append(at)
+        at = text.find(s, at + 1)
+    return found
+
+
 def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
                     max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
-                    max_len: int, diagnose: bool = False) -> list[GenerationResult]:
+                    max_len: int, diagnose: bool = False,
+                    focus: list[list[str]] | None = None) -> list[GenerationResult]:
     if len(contexts) != len(texts):
         raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
     rests = []
@@ -327,10 +355,16 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
     # shorter question has its last few context tokens asked with it instead).
     cut = total - max(len(r) for r in rest)
     ctx = {"input_ids": ids[:, :cut], "attention_mask": mask[:, :cut]}
+    focus_rows = None
+    if focus is not None:
+        pads = [total - len(c) - len(r) for c, r in zip(rows, rest, strict=True)]
+        focus_rows = focus_positions(tokenizer, contexts, focus, pads)
     record = None if prefill_chunk else record_prefill(model, ctx["input_ids"], ctx["attention_mask"])
     results = []
     for run in runs:
         cache = _cache_for(model, tokenizer, run, record, prefill_chunk, diagnose)
+        if cache.probe is not None:
+            cache.probe.focus = focus_rows
         start = time.perf_counter()
         if record is None:  # this method's own (chunked) prefill of the context, without the question
             model(input_ids=ctx["input_ids"], attention_mask=ctx["attention_mask"], use_cache=True, logits_to_keep=1,

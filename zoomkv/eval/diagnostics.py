@@ -36,6 +36,24 @@ def by_step(diags: list[dict[str, Any]]) -> list[float]:
             for s in range(longest)]
 
 
+def needle_share(diags: list[dict[str, Any]]) -> float | None:
+    """Share of full attention's mass on the needle's tokens that the selections kept, mass-weighted over
+    rows, layers, heads and steps (None when no row measured a needle)."""
+    full = sum(d.get("needle_full", 0.0) for d in diags)
+    return sum(d.get("needle_kept", 0.0) for d in diags) / full if full > 0 else None
+
+
+def needle_by_step(diags: list[dict[str, Any]]) -> list[float]:
+    """Mean over rows of the needle share kept at each answer token (rows with a needle there)."""
+    steps = [d["needle_by_step"] for d in diags if d.get("needle_by_step")]
+    longest = max((len(s) for s in steps), default=0)
+    out = []
+    for i in range(longest):
+        vals = [s[i] for s in steps if len(s) > i and s[i] is not None]
+        out.append(statistics.fmean(vals) if vals else float("nan"))
+    return out
+
+
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     groups = _groups(rows)
     if not groups:
@@ -43,9 +61,12 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "## Selection diagnostics (share of full attention kept; `--diagnose`)", "",
              "Mass: the share of full attention's mass on the exact rows each step attended (summary rows count for "
              "nothing). Overlap: the share of the exact top-B rows it held. Means over rows, layers, KV heads and steps; "
-             "the weakest layer is the one with the least mass.", "",
-             "| method | budget | rows | mass kept | top-B overlap | first token mass | later tokens mass | weakest layer (mass) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "the weakest layer is the one with the least mass. Needle: the share of full attention's mass on the "
+             "answer's tokens in the context that was kept (mass-weighted), over all answer tokens, at the first and "
+             "at the later ones.", "",
+             "| method | budget | rows | mass kept | top-B overlap | first token mass | later tokens mass | weakest layer (mass) "
+             "| needle kept | needle, first token | needle, later tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (label, budget), diags in groups.items():
         layers, mass = per_layer(diags, "mass")
         _, overlap = per_layer(diags, "overlap")
@@ -53,9 +74,13 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         steps = by_step(diags)
         later = f"{statistics.fmean(steps[1:]):.3f}" if len(steps) > 1 else "–"
         weakest = min(range(len(layers)), key=lambda i: layer_mass[i])
+        share = needle_share(diags)
+        by = needle_by_step(diags)
+        needle = ["–" if share is None else f"{share:.3f}", f"{by[0]:.3f}" if by else "–",
+                  f"{statistics.fmean(v for v in by[1:] if v == v):.3f}" if any(v == v for v in by[1:]) else "–"]
         lines.append(f"| {label} | {budget or '–'} | {len(diags)} | {statistics.fmean(layer_mass):.3f} | "
                      f"{statistics.fmean(statistics.fmean(o) for o in overlap):.3f} | {steps[0]:.3f} | {later} | "
-                     f"{layers[weakest]} ({layer_mass[weakest]:.3f}) |")
+                     f"{layers[weakest]} ({layer_mass[weakest]:.3f}) | " + " | ".join(needle) + " |")
     return lines
 
 
@@ -89,15 +114,20 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     for (label, budget), diags in groups.items():
         steps = by_step(diags)
-        ax.plot(range(1, len(steps) + 1), steps, marker=".", label=f"{label} @ {budget or '–'}")
-    ax.set_xlabel("answer token")
-    ax.set_ylabel("mass kept (mean over layers and heads)")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+        axes[0].plot(range(1, len(steps) + 1), steps, marker=".", label=f"{label} @ {budget or '–'}")
+        needle = needle_by_step(diags)
+        if needle:
+            axes[1].plot(range(1, len(needle) + 1), needle, marker=".", label=f"{label} @ {budget or '–'}")
+    axes[0].set_title("mass kept per answer token (mean over layers and heads)")
+    axes[1].set_title("needle's attention mass kept per answer token")
+    for ax in axes:
+        ax.set_xlabel("answer token")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "diagnostics_steps.png")
     fig.savefig(paths[-1], dpi=110)

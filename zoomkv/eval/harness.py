@@ -341,7 +341,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                 continue
             results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
                                        max_new_tokens=new, chat=False, contexts=contexts,
-                                       prefill_chunk=cfg.prefill_chunk, diagnose=cfg.diagnose)
+                                       prefill_chunk=cfg.prefill_chunk, diagnose=cfg.diagnose,
+                                       focus=[list(s.answers) for s in samples])
             counts = [fmt.count(t) for t in texts]
             rows = [_row(s, counts[b], b, run, res, len(samples), cfg, fmt)
                     for run, res in zip(missing, results, strict=True) for b, s in enumerate(samples)]

@@ -10,7 +10,10 @@ KV head it then records:
   bytes); summary rows (sekv's spans, the softmax tail) stand for rows without being them and count for
   nothing, and neither do quantized rows — this is the mass of the exact rows attended;
 - ``overlap``: the share of the exact top-B rows (B = the budget, by the same averaged attention) that the
-  selection holds — 1 for ``oracle_topk`` without recent-window rows.
+  selection holds — 1 for ``oracle_topk`` without recent-window rows;
+- with ``focus`` rows (the needle's tokens, say), ``needle``: the share of full attention's mass on those
+  rows that the selection kept, and ``needle_attention``: that mass itself (how much a head looks there).
+  Sums over steps are mass-weighted: Σ kept / Σ full.
 
 It costs one extra score over all keys per layer and step and a second copy of the keys: a diagnostic,
 not a serving mode.
@@ -49,6 +52,11 @@ class SelectionProbe:
         self.overlap: dict[int, torch.Tensor] = {}
         self.steps: dict[int, int] = {}
         self.by_step: dict[int, list[torch.Tensor]] = {}  # layer → per step [b] mass (mean over heads)
+        # focus rows per sequence (positions in the padded input), e.g. the needle's tokens; None: not measured
+        self.focus: list[torch.Tensor] | None = None
+        self.focus_full: dict[int, torch.Tensor] = {}  # layer → [b, kv] Σ over steps of full mass on the focus
+        self.focus_kept: dict[int, torch.Tensor] = {}
+        self.focus_by_step: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer → per step ([b], [b])
 
     def prefill(self, layer: int, keys: torch.Tensor, valid: torch.Tensor | None) -> None:
         self.keys[layer] = keys.detach().clone()
@@ -93,6 +101,15 @@ class SelectionProbe:
         self.overlap[layer] = self.overlap.get(layer, 0) + overlap
         self.steps[layer] = self.steps.get(layer, 0) + 1
         self.by_step.setdefault(layer, []).append(mass.mean(-1))
+        if self.focus is not None:
+            on = torch.zeros(b, t, dtype=torch.bool, device=probs.device)
+            for i, positions in enumerate(self.focus):
+                on[i, positions[positions < t].to(probs.device)] = True
+            full = (probs * on[:, None, :]).sum(-1)  # [b, kv]
+            kept = (probs * (held & on[:, None, :])).sum(-1)
+            self.focus_full[layer] = self.focus_full.get(layer, 0) + full
+            self.focus_kept[layer] = self.focus_kept.get(layer, 0) + kept
+            self.focus_by_step.setdefault(layer, []).append((kept.sum(-1), full.sum(-1)))
 
     @staticmethod
     def _held(keys: torch.Tensor, sel: Selection, also: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,9 +136,22 @@ class SelectionProbe:
             return None
         n_steps = min(len(self.by_step[layer]) for layer in layers)
         by_step = [float(sum(self.by_step[layer][s][row] for layer in layers) / len(layers)) for s in range(n_steps)]
-        return {
+        out = {
             "layers": layers,
             "mass": [[round(float(v), 4) for v in self.mass[layer][row] / self.steps[layer]] for layer in layers],
             "overlap": [[round(float(v), 4) for v in self.overlap[layer][row] / self.steps[layer]] for layer in layers],
             "mass_by_step": [round(v, 4) for v in by_step],
         }
+        if self.focus is not None and len(self.focus[row]):
+            out["needle"] = [[round(float(k / f), 4) if f > 0 else None
+                              for k, f in zip(self.focus_kept[layer][row], self.focus_full[layer][row], strict=True)]
+                             for layer in layers]
+            out["needle_attention"] = [[round(float(f / self.steps[layer]), 4) for f in self.focus_full[layer][row]]
+                                       for layer in layers]
+            # per step: the needle mass kept over all layers and heads / the needle mass full attention gives
+            kept = [sum(float(self.focus_by_step[layer][s][0][row]) for layer in layers) for s in range(n_steps)]
+            full = [sum(float(self.focus_by_step[layer][s][1][row]) for layer in layers) for s in range(n_steps)]
+            out["needle_by_step"] = [round(k / f, 4) if f > 0 else None for k, f in zip(kept, full, strict=True)]
+            out["needle_full"] = round(sum(full), 4)  # Σ over steps and layers: the weight of this row's needle
+            out["needle_kept"] = round(sum(kept), 4)
+        return out
