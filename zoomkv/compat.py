@@ -42,7 +42,17 @@ def generate_cache_kwargs(cache_obj: Any) -> dict[str, Any]:
 
 def register_attention(name: str, fn: Callable) -> None:
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, decode_mask)
+
+
+def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' sdpa mask, except that a one-token query with a 2D attention mask never asks whether the
+    mask is all ones (``_ignore_causal_mask_sdpa`` reads that back to the host: one GPU synchronisation per
+    decode step); the mask is built instead, as transformers does for its compileable caches. sdpa gives the
+    same result with an all-True mask as with none."""
+    if kwargs.get("q_length") == 1 and kwargs.get("attention_mask") is not None:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 def set_attention(model: torch.nn.Module, name: str) -> None:
