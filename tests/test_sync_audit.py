@@ -28,11 +28,8 @@ KNOWN_SYNCING = {
     # InfiniGen fetches the rows whose estimated logit is within alpha of the best: how many is the published
     # algorithm's own decision, made per step from the scores (fetch_count), so the recall's shape is data.
     "infinigen",
-    # Not yet sync-free (issue 16): clusterkv reads whether the boundary cluster is cut and its width
-    # (_recall_index) and whether every slot is filled (select_rows); sekv zooms into spans found by nonzero
-    # and written through boolean masks; semanticache asks whether every row is a single row before biasing;
-    # sentencekv asks whether a sentence closed this step.
-    "clusterkv", "sekv", "semanticache", "sentencekv",
+    # Not yet sync-free (issue 16): sentencekv asks whether a sentence closed this step.
+    "sentencekv",
 }
 
 DECODE_STEPS = 20  # crosses Quest's page boundaries, sekv's chunk summaries and clusterkv's reclustering

@@ -26,13 +26,16 @@ def num_clusters(rows: int, rows_per_cluster: int) -> int:
     return math.ceil(rows / rows_per_cluster) if rows > 0 else 0
 
 
-def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: int, iters: int) -> Clusters:
+def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: int, iters: int,
+                  early_stop: bool = True) -> Clusters:
     """Cluster ``keys`` ``[b, h, n, d]`` into ``clusters`` groups per (b, h) by cosine similarity.
 
     ``members`` (``[b, n]`` or ``[b, h, n]`` bool, None = all rows) says which rows take part: the others
     (left padding, sinks) get the sentinel label ``clusters`` and contribute to no centroid.
     Deterministic: seeds are members spaced evenly along the sequence (nearby rows are often similar, so
     an even spread covers the sequence's topics better than the first C rows would), no randomness.
+    ``early_stop`` ends the iterations once the labels stop changing (which reads them back to the host);
+    without it every iteration runs, to the same clusters, and nothing is read back.
     """
     b, h, n, d = keys.shape
     device = keys.device
@@ -70,12 +73,12 @@ def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: in
     for it in range(iters):
         sim = torch.matmul(x, centroids.transpose(-1, -2))  # [b, h, n, C]
         new_labels = sim.argmax(dim=-1).masked_fill_(~members, sentinel)
-        if it > 0 and torch.equal(new_labels, labels):
+        if early_stop and it > 0 and torch.equal(new_labels, labels):
             break  # converged: the centroids already match these labels
         labels = new_labels
         flat = (labels + offset).view(-1)
         sums = x.new_zeros(b * h * slots, d).index_add_(0, flat, flat_x).view(b, h, slots, d)[:, :, :clusters]
-        counts = torch.bincount(flat, minlength=b * h * slots).view(b, h, slots)[:, :, :clusters]
+        counts = _count(flat, b * h * slots).view(b, h, slots)[:, :, :clusters]
         # An emptied cluster keeps its old centroid rather than becoming NaN; it simply recalls nothing.
         centroids = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), centroids)
 
@@ -85,6 +88,12 @@ def cosine_kmeans(keys: torch.Tensor, members: torch.Tensor | None, clusters: in
     flat = (labels + offset).view(-1)
     raw = keys.float().reshape(b * h * n, d)
     raw = raw.new_zeros(b * h * slots, d).index_add_(0, flat, raw).view(b, h, slots, d)[:, :, :clusters]
-    sizes = torch.bincount(flat, minlength=b * h * slots).view(b, h, slots)[:, :, :clusters]
+    sizes = _count(flat, b * h * slots).view(b, h, slots)[:, :, :clusters]
     means = raw / sizes.clamp(min=1)[..., None].to(raw.dtype)
     return Clusters(labels, sizes, means.to(keys.dtype))
+
+
+def _count(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of ``size`` slots occurs in ``flat``: ``bincount(flat, minlength=size)`` with its size
+    fixed in advance (bincount's size is the largest value, which the host must read first)."""
+    return torch.zeros(size, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))

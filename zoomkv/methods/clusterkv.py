@@ -120,6 +120,7 @@ class ClusterKV(RecallableMethod):
         memory.host_tier["cluster_starts"] = memory.to_host(found.sizes.cumsum(-1) - found.sizes)
 
         clustered = int(found.sizes.sum(-1).max()) if found.sizes.numel() else 0
+        largest = int(found.sizes.max()) if found.sizes.numel() else 0
         recall = min(budget - sinks, clustered)
         work_k = memory.device_buffer(sinks + recall, memory.key_dim)
         work_v = memory.device_buffer(sinks + recall, memory.value_dim)
@@ -139,6 +140,7 @@ class ClusterKV(RecallableMethod):
             pending_start=sinks + recall,
             pending_cap=pending_cap,
             reclusters=0,
+            largest=largest,  # an upper bound of any cluster's size: the width a cut cluster is ranked over
         )
 
     # -- decode -----------------------------------------------------------------------------------------
@@ -176,8 +178,8 @@ class ClusterKV(RecallableMethod):
             pinned = memory.pin_host
             work_k[:, :, sinks:start].copy_(sel_k, non_blocking=pinned)
             work_v[:, :, sinks:start].copy_(sel_v, non_blocking=pinned)
-            if bool(slot_ok.all()):
-                slot_ok = None
+        # Empty recall slots are hidden by the bias, which is built whether or not any slot is empty (asking
+        # would read a value back to the host); a zero bias leaves the softmax exactly as it is without one.
         sink_ok = memory.device_tier.get("sink_valid")
         bias = None
         if slot_ok is not None or sink_ok is not None:
@@ -215,22 +217,23 @@ class ClusterKV(RecallableMethod):
         pos = starts.gather(-1, order.gather(-1, rank)) + within
 
         # The cluster holding the last slot is cut when it does not fit whole: take its best members by q·k.
+        # Ranked over a fixed width (the largest cluster there is) whether or not anything is cut, so no value
+        # is read back to decide; where nothing is cut, `in_cut` is all False and the ranking goes unused.
         last = rank[..., -1:]  # [b, h, 1]
         cut = ok[..., -1:] & (cum.gather(-1, last) > recall)
-        if bool(cut.any()):
-            cluster = order.gather(-1, last)
-            count = sizes.gather(-1, cluster) * cut  # members of the cut cluster, 0 where nothing is cut
-            width = int(count.max())
-            member = torch.arange(width)
-            member_pos = (starts.gather(-1, cluster) + member).clamp_(max=m - 1)  # [b, h, width]
-            member_rows = perm.gather(-1, member_pos)
-            host_k = memory.host_tier["keys"].view()
-            member_k = host_k.gather(2, member_rows[..., None].expand(-1, -1, -1, host_k.shape[-1]))
-            member_score = torch.matmul(q.to(member_k.device), member_k.float().transpose(-1, -2)).sum(dim=2)
-            member_score = member_score.masked_fill(member >= count, float("-inf"))
-            ranked = member_pos.gather(-1, member_score.argsort(dim=-1, descending=True, stable=True))
-            in_cut = cut & (rank == last)
-            pos = torch.where(in_cut, ranked.gather(-1, within.clamp(0, width - 1)), pos)
+        cluster = order.gather(-1, last)
+        count = sizes.gather(-1, cluster) * cut  # members of the cut cluster, 0 where nothing is cut
+        width = max(1, memory.meta["largest"])
+        member = torch.arange(width)
+        member_pos = (starts.gather(-1, cluster) + member).clamp_(max=m - 1)  # [b, h, width]
+        member_rows = perm.gather(-1, member_pos)
+        host_k = memory.host_tier["keys"].view()
+        member_k = host_k.gather(2, member_rows[..., None].expand(-1, -1, -1, host_k.shape[-1]))
+        member_score = torch.matmul(q.to(member_k.device), member_k.float().transpose(-1, -2)).sum(dim=2)
+        member_score = member_score.masked_fill(member >= count, float("-inf"))
+        ranked = member_pos.gather(-1, member_score.argsort(dim=-1, descending=True, stable=True))
+        in_cut = cut & (rank == last)
+        pos = torch.where(in_cut, ranked.gather(-1, within.clamp(0, width - 1)), pos)
 
         rows = perm.gather(-1, pos.clamp_(0, m - 1)).masked_fill_(~ok, n)
         # Sequence order (empty slots, marked n, sort last): at a budget covering everything, the
@@ -245,7 +248,9 @@ class ClusterKV(RecallableMethod):
         pending, start = meta["pending"], meta["pending_start"]
         first = host_length(memory) - 1 - pending  # host row id of the oldest pending row (the newest is not pending yet)
         keys = memory.device_tier["keys"][:, :, start : start + pending]
-        found = cosine_kmeans(keys, None, num_clusters(pending, cfg.cluster_size), cfg.kmeans_iters)
+        # Every iteration runs (no convergence test, which would read the labels back to the host): once the
+        # labels are stable each further iteration recomputes the same centroids, so the result is the same.
+        found = cosine_kmeans(keys, None, num_clusters(pending, cfg.cluster_size), cfg.kmeans_iters, early_stop=False)
         perm = memory.host_tier["perm"]
         new_perm = memory.to_host(found.labels.argsort(dim=-1, stable=True) + first)
         new_starts = memory.to_host(found.sizes.cumsum(-1) - found.sizes + perm.shape[-1])
@@ -254,6 +259,7 @@ class ClusterKV(RecallableMethod):
         memory.device_tier["centroids"] = torch.cat([memory.device_tier["centroids"], found.centroids], dim=2)
         memory.device_tier["cluster_sizes"] = torch.cat([memory.device_tier["cluster_sizes"], found.sizes], dim=-1)
         meta["clustered"] += pending  # every (batch, head) gains all of them: generated rows are never padding
+        meta["largest"] = max(meta["largest"], pending)  # no new cluster holds more than the rows clustered
         meta["pending"] = 0
         meta["reclusters"] += 1
 

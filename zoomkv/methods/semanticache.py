@@ -420,9 +420,7 @@ class SemantiCache(KVMethod):
 
     def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         tier = memory.device_tier
-        sizes = tier["sizes"]
-        bias = None
-        if not bool((sizes == 1).all()):  # only single exact rows: no bias, exactly full attention
-            bias = proportional_bias(sizes, query.dtype)
-        return Selection(tier["keys"], tier["values"], bias)
+        # Always the bias, never a question whether it is needed (that would read a value back to the host
+        # every step): single exact rows get log 1 = 0, which leaves the softmax exactly as full attention's.
+        return Selection(tier["keys"], tier["values"], proportional_bias(tier["sizes"], query.dtype))
 

@@ -194,7 +194,14 @@ class SeKV(KVMethod):
                             factor=not memory.meta["span_rows"])
         self._store_spans(memory, spans.sum_keys, spans.sum_values, spans.count, _host_parts(spans, memory))
         memory.host_tier.pop("surprisal", None)
-        memory.meta.update(mode="zoom", tail=c.recent, zoom_rows=zoom_rows)
+        memory.meta.update(
+            mode="zoom", tail=c.recent, zoom_rows=zoom_rows,
+            # the fewest rows a span holds (how many spans the zoom rows can take) and how many rows at the
+            # front of the tail may be padding (a row shorter than the tail): Python values, so decode steps
+            # read nothing back to learn them
+            shortest=min((e - s for lay in layouts for s, e in lay.spans), default=c.max_span),
+            tail_pad=int((~exact_ok[:, n_exact:]).sum(1).max()),
+        )
         for name in ("recall_keys", "recall_values"):
             memory.device_tier.pop(name, None)
         reserve_recall_buffer(memory, zoom_rows)
@@ -246,13 +253,20 @@ class SeKV(KVMethod):
         order = (~ok).float().argsort(dim=1, stable=True)
         keys = torch.gather(keys, 2, order[:, None, :, None].expand(-1, h, -1, d))
         values = torch.gather(values, 2, order[:, None, :, None].expand(-1, h, -1, values.shape[-1]))
-        n_new = ok.sum(1)  # [b]
-        spans = [[(0, int(n))] if int(n) > 0 else [] for n in n_new]
+        if memory.meta["tail_pad"] > 0:
+            # Prompt rows at the front of the tail may be padding (a row shorter than the tail): count them.
+            spans = [[(0, int(n))] if int(n) > 0 else [] for n in ok.sum(1)]
+            memory.meta["shortest"] = min([memory.meta["shortest"]] + [e for row in spans for _, e in row])
+        else:  # every row of the chunk is a real token: nothing to count (and nothing read back)
+            spans = [[(0, c.chunk)]] * b
+            memory.meta["shortest"] = min(memory.meta["shortest"], c.chunk)
+        memory.meta["tail_pad"] = max(0, memory.meta["tail_pad"] - c.chunk)
         # Generated rows carry no surprisal: uniform weights.
         new = build_spans(keys, values, torch.ones(b, c.chunk, device=keys.device), spans, stored_rank(adapter, c),
                           factor=not memory.meta["span_rows"])
         self._append_span(memory, new)
-        keep = torch.cat([torch.arange(0, lo), torch.arange(hi, e)]).to(dev["keys"].device)
+        device = dev["keys"].device
+        keep = torch.cat([torch.arange(0, lo, device=device), torch.arange(hi, e, device=device)])
         for name in ("keys", "values", "bias"):
             dev[name] = dev[name].index_select(2, keep)
         memory.meta["tail"] -= c.chunk
@@ -295,31 +309,35 @@ class SeKV(KVMethod):
         route = (routed - lse).amax(2) - adapter.route_tau[layer].to(q.dtype)[None, :, None]  # [b, h, S]
         take = greedy_zoom(route, count, zoom_rows)
         recall_k, recall_v = dev["recall_keys"], dev["recall_values"]
-        recall_bias = torch.full((b, h, zoom_rows), float("-inf"), dtype=query.dtype, device=query.device)
-        nz = take.nonzero(as_tuple=True)
-        if nz[0].numel():
-            bi, hi, si = nz
-            # Fetch the zoomed spans from the host tier (index there, copy only what is used).
-            at = (bi.cpu(), hi.cpu(), si.cpu())
-            dev_of = keys.device
-            if memory.meta["span_rows"]:
-                rk = host["rows_k"][at].to(dev_of, non_blocking=True)  # [N, P, d]
-                rv = host["rows_v"][at].to(dev_of, non_blocking=True)
-            else:
-                gates = adapter.hard_gates(layer).to(keys.dtype)[..., : host["coef_k"].shape[-1]]  # [h, 2, r]
-                rk = reconstruct(host["coef_k"][at].to(dev_of, non_blocking=True),
-                                 host["basis_k"][at].to(dev_of, non_blocking=True), gates[hi, 0])
-                rv = reconstruct(host["coef_v"][at].to(dev_of, non_blocking=True),
-                                 host["basis_v"][at].to(dev_of, non_blocking=True), gates[hi, 1])
-            n_rows = count.long() * take
-            offset = (n_rows.cumsum(-1) - n_rows)[bi, hi, si]  # [N]: where each span starts in the buffer
-            j = torch.arange(rk.shape[1], device=rk.device)
-            live = j[None, :] < count[bi, hi, si].long()[:, None]  # [N, P]
-            dest = ((bi * h + hi) * zoom_rows + offset)[:, None] + j[None, :]
-            dest = dest[live]
-            recall_k.view(-1, recall_k.shape[-1])[dest] = rk[live].to(recall_k.dtype)
-            recall_v.view(-1, recall_v.shape[-1])[dest] = rv[live].to(recall_v.dtype)
-            recall_bias.view(-1)[dest] = 0.0
+        # Fixed shapes, nothing read back to the host: each of the zoom_rows slots learns which zoomed span and
+        # which of its rows it holds (the zoomed spans packed in span order), and every slot is written; slots
+        # past the zoomed rows get a -inf bias, so their content (finite rows) weighs exactly nothing.
+        n_rows = count.long() * take  # [b, h, S]
+        ends = n_rows.cumsum(-1)
+        slot = torch.arange(zoom_rows, device=ends.device).expand(b, h, zoom_rows).contiguous()
+        filled = slot < ends[..., -1:]
+        span = torch.searchsorted(ends, slot, right=True).clamp_(max=ends.shape[-1] - 1)  # [b, h, zoom_rows]
+        row = (slot - (ends - n_rows).gather(-1, span)).masked_fill_(~filled, 0)  # the slot's row in its span
+        dev_of = keys.device
+        if memory.meta["span_rows"]:
+            # Fetch the zoomed rows from the host tier (index there, copy only the zoom buffer's rows).
+            rk = _span_rows(host["rows_k"], span, row).to(dev_of, non_blocking=True)
+            rv = _span_rows(host["rows_v"], span, row).to(dev_of, non_blocking=True)
+        else:
+            # Reconstruct the zoomed spans from their factors: at most `most` of them fit the zoom rows.
+            most = max(1, min(ends.shape[-1], zoom_rows // max(1, memory.meta["shortest"])))
+            zoomed = (~take).to(torch.int8).argsort(dim=-1, stable=True)[..., :most]  # [b, h, most], in span order
+            gates = adapter.hard_gates(layer).to(keys.dtype)[..., : host["coef_k"].shape[-1]]  # [h, 2, r]
+            rk = reconstruct(_spans(host["coef_k"], zoomed).to(dev_of, non_blocking=True),
+                             _spans(host["basis_k"], zoomed).to(dev_of, non_blocking=True), gates[None, :, None, 0])
+            rv = reconstruct(_spans(host["coef_v"], zoomed).to(dev_of, non_blocking=True),
+                             _spans(host["basis_v"], zoomed).to(dev_of, non_blocking=True), gates[None, :, None, 1])
+            nth = (take.long().cumsum(-1) - 1).gather(-1, span).clamp_(0, most - 1)  # the slot's span among zoomed
+            rk, rv = _span_rows(rk, nth, row), _span_rows(rv, nth, row)
+        recall_k.copy_(rk)
+        recall_v.copy_(rv)
+        recall_bias = torch.zeros((b, h, zoom_rows), dtype=query.dtype, device=query.device)
+        recall_bias.masked_fill_(~filled.to(query.device), float("-inf"))
         # Zoomed spans are attended through their rows, the others through their summary (log-size bias).
         sum_bias = log_n.masked_fill(take, float("-inf")).to(query.dtype)
         return Selection(
@@ -328,6 +346,20 @@ class SeKV(KVMethod):
             torch.cat([exact_bias.to(query.dtype), sum_bias, recall_bias], 2),
             index_rows=sum_k.shape[2],
         )
+
+
+def _spans(parts: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """Spans ``which`` (``[b, h, k]``) of per-span tensors ``[b, h, S, ...]`` → ``[b, h, k, ...]``."""
+    which = which.to(parts.device)
+    shape = which.shape + (1,) * (parts.dim() - 3)
+    return parts.gather(2, which.reshape(shape).expand(*which.shape, *parts.shape[3:]))
+
+
+def _span_rows(rows: torch.Tensor, span: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Row ``row`` of span ``span`` (both ``[b, h, k]``) of span rows ``[b, h, S, P, d]`` → ``[b, h, k, d]``."""
+    b, h, spans, size, d = rows.shape
+    flat = (span * size + row).to(rows.device)
+    return rows.reshape(b, h, spans * size, d).gather(2, flat[..., None].expand(-1, -1, -1, d))
 
 
 def _host_parts(spans, memory) -> dict[str, torch.Tensor]:
