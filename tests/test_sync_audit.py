@@ -28,7 +28,10 @@ KNOWN_SYNCING = {
     # InfiniGen fetches the rows whose estimated logit is within alpha of the best: how many is the published
     # algorithm's own decision, made per step from the scores (fetch_count), so the recall's shape is data.
     "infinigen",
-    # Not yet sync-free (issue 16): sentencekv asks whether a sentence closed this step.
+    # A generated sentence ends on a boundary token, so how many sentences the index must hold is data: a
+    # Python upper bound avoids asking every step, but when it runs out of slots sentencekv reads the true
+    # count (once every ~8-16 steps, not per step and layer as before). Without token ids (segments of
+    # segment_length tokens) its decode is sync-free.
     "sentencekv",
 }
 
@@ -45,14 +48,16 @@ def _params():
         yield pytest.param(name, marks=marks, id=name)
 
 
-def audit(model_name: str, lengths: tuple[int, ...], name: str, folder, steps: int = DECODE_STEPS):
+def audit(model_name: str, lengths: tuple[int, ...], name: str, folder, steps: int = DECODE_STEPS,
+          with_tokenizer: bool = True):
     """Prefill a batch of ``lengths`` tokens (left padded) with ``name`` at a small budget, then ``steps``
     greedy decode steps, each under a ``SyncAudit``."""
-    model, _ = load_tiny(model_name)
+    model, tokenizer = load_tiny(model_name)  # the tokenizer: sentence and chunk ends come from token ids
+    tokenizer = tokenizer if with_tokenizer else None
     method = get_method(name, **method_kwargs(name, model, folder))
     budget = max(method.min_budget(), 40) if method.uses_budget else None
     ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
-    return audit_decode(model, ZoomCache(model, method, budget), ids, mask, steps)
+    return audit_decode(model, ZoomCache(model, method, budget, tokenizer=tokenizer), ids, mask, steps)
 
 
 @pytest.mark.parametrize("name", list(_params()))
@@ -60,6 +65,17 @@ def audit(model_name: str, lengths: tuple[int, ...], name: str, folder, steps: i
 def test_decode_step_reads_nothing_back(model_name, lengths, name, tmp_path_factory):
     audits = audit(model_name, lengths, name, tmp_path_factory.mktemp("profiles"))
     assert all(a.clean for a in audits), f"{name}: {summarize(audits)}"
+
+
+def test_sentencekv_reads_back_only_when_its_sentence_slots_may_run_out(tmp_path):
+    audits = audit("tiny-llama", (90, 61), "sentencekv", tmp_path, steps=40)
+    assert sum(not a.clean for a in audits) <= 40 // 8, summarize(audits)
+    assert {e.where.split(":")[0] for a in audits for e in a.events} <= {"zoomkv/methods/sentencekv.py"}
+
+
+def test_sentencekv_without_token_ids_is_sync_free(tmp_path):
+    audits = audit("tiny-llama", (90, 61), "sentencekv", tmp_path, steps=40, with_tokenizer=False)
+    assert all(a.clean for a in audits), summarize(audits)
 
 
 def test_known_syncing_names_registered_methods():

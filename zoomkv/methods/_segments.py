@@ -16,6 +16,7 @@ Both methods cut the prompt where a punctuation token ends a sentence (or a clau
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -104,8 +105,14 @@ def step_token_ids(memory: LayerMemory, batch: int) -> torch.Tensor | None:
 
 def boundary_mask(ids: torch.Tensor, boundary_ids: tuple[int, ...]) -> torch.Tensor:
     """Bool mask of the positions of ``ids`` that hold a boundary token."""
-    table = torch.tensor(boundary_ids, dtype=ids.dtype, device=ids.device)
-    return torch.isin(ids, table)
+    return torch.isin(ids, _boundary_table(tuple(boundary_ids), ids.dtype, ids.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _boundary_table(boundary_ids: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Made once per device: building it from a Python list is a blocking host-to-device copy, which a decode
+    # step calling boundary_mask would otherwise make every step (a GPU synchronisation).
+    return torch.tensor(boundary_ids, dtype=dtype, device=device)
 
 
 def segment_ids(

@@ -181,7 +181,11 @@ class SentenceKV(KVMethod):
         memory.device_tier["key_sum"] = torch.zeros(b, h, d, dtype=torch.float32, device=ctx.keys.device)
         memory.device_tier["open_length"] = torch.zeros(b, dtype=torch.long, device=ctx.keys.device)
         memory.device_tier["closing"] = torch.zeros(b, dtype=torch.bool, device=ctx.keys.device)
-        memory.meta.update(budget=budget, token_boundaries=boundary is not None)
+        memory.meta.update(budget=budget, token_boundaries=boundary is not None,
+                           # Python values, so a decode step reads nothing back to learn them: an upper bound of
+                           # next_sentence (exact while every row's open sentence has the same length), that
+                           # length (None once sentences end on tokens), and whether a sentence may close
+                           sentence_bound=max(sentences, 0), open_steps=0, may_close=False)
         reserve_recall_buffer(memory, min(budget, keys.shape[2]))
 
     # -- decode -------------------------------------------------------------------------------------------
@@ -198,11 +202,18 @@ class SentenceKV(KVMethod):
         tier["open_length"] += 1
         # Does this token end its sentence? Closed after this step's selection, which it still belongs to.
         ids = step_token_ids(memory, b)
-        boundary_ids = memory.meta["boundary_ids"]
+        meta = memory.meta
+        boundary_ids = meta["boundary_ids"]
         if ids is not None and boundary_ids:
             tier["closing"] = boundary_mask(ids.to(key.device), boundary_ids)
+            meta["open_steps"], meta["may_close"] = None, True  # which rows close is data from now on
         else:
             tier["closing"] = tier["open_length"] >= self.config.segment_length
+            if meta["open_steps"] is None:
+                meta["may_close"] = True
+            else:  # every row's open sentence is this long: whether they close is known without reading it
+                meta["open_steps"] += 1
+                meta["may_close"] = meta["open_steps"] >= self.config.segment_length
 
     def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         tier = memory.device_tier
@@ -216,7 +227,7 @@ class SentenceKV(KVMethod):
         rk, rv = recall_rows(memory, keys, values, idx)
         valid = memory.host_tier["valid"].view()[..., 0] if "valid" in memory.host_tier else None
         bias = padding_bias(valid, idx, keys.shape[1], query.dtype, query.device)
-        if bool(tier["closing"].any()):
+        if memory.meta["may_close"]:
             self._close_sentences(memory)
         return Selection(rk, rv, bias)
 
@@ -253,23 +264,39 @@ class SentenceKV(KVMethod):
         return order_key.topk(budget, dim=-1, largest=False).indices.sort(dim=-1).values
 
     def _close_sentences(self, memory: LayerMemory) -> None:
-        """Generated sentences that just ended join the index; their sequences start a new sentence."""
-        tier = memory.device_tier
+        """Generated sentences that just ended join the index; their sequences start a new sentence. Masks, not
+        the closing rows' indices: rows that do not close are written back unchanged."""
+        tier, meta = memory.device_tier, memory.meta
         closing, nxt = tier["closing"], tier["next_sentence"]
         slots = tier["sentence_keys"].shape[2]
-        if int(nxt.max()) + 2 > slots:  # the next open sentence needs a slot too
-            grow = _SENTENCE_SLOTS
-            sk, sz = tier["sentence_keys"], tier["sentence_sizes"]
-            tier["sentence_keys"] = torch.cat([sk, sk.new_zeros(sk.shape[0], sk.shape[1], grow, sk.shape[3])], dim=2)
-            tier["sentence_sizes"] = torch.cat([sz, sz.new_zeros(sz.shape[0], sz.shape[1], grow)], dim=2)
-        rows = closing.nonzero()[:, 0]
-        at = nxt[rows]
-        length = tier["open_length"][rows].float()
-        tier["sentence_keys"][rows, :, at] = (tier["key_sum"][rows] / length[:, None, None]).to(tier["sentence_keys"].dtype)
-        tier["sentence_sizes"][rows, :, at] = length[:, None]
+        if meta["sentence_bound"] + 2 > slots:  # the next open sentence may need a slot too
+            grow = True
+            if meta["open_steps"] is None:
+                # Sentences end on tokens, so the bound only bounds: read how many there are (once per several
+                # steps), and grow with room to spare so the next read is as far away.
+                meta["sentence_bound"] = int(nxt.max())
+                grow = meta["sentence_bound"] + 2 + _SENTENCE_SLOTS // 2 > slots
+            if grow:
+                extra = _SENTENCE_SLOTS
+                sk, sz = tier["sentence_keys"], tier["sentence_sizes"]
+                tier["sentence_keys"] = torch.cat([sk, sk.new_zeros(sk.shape[0], sk.shape[1], extra, sk.shape[3])], dim=2)
+                tier["sentence_sizes"] = torch.cat([sz, sz.new_zeros(sz.shape[0], sz.shape[1], extra)], dim=2)
+        sentence_keys, sizes = tier["sentence_keys"], tier["sentence_sizes"]
+        b, h, _, d = sentence_keys.shape
+        at = nxt.view(b, 1, 1).expand(b, h, 1)
+        length = tier["open_length"].float()  # >= 1 on closing rows
+        mean = (tier["key_sum"] / length.clamp(min=1)[:, None, None]).to(sentence_keys.dtype)  # [b, h, d]
+        at_d = at[..., None].expand(b, h, 1, d)
+        sentence_keys.scatter_(2, at_d, torch.where(closing[:, None, None, None], mean[:, :, None],
+                                                    sentence_keys.gather(2, at_d)))
+        sizes.scatter_(2, at, torch.where(closing[:, None, None], length[:, None, None].expand(b, h, 1),
+                                          sizes.gather(2, at)))
         tier["next_sentence"] = nxt + closing.long()
         keep = (~closing).to(torch.float32)
         tier["query_sum"] *= keep[:, None, None]
         tier["key_sum"] *= keep[:, None, None]
         tier["open_length"] *= (~closing).long()
         tier["closing"] = torch.zeros_like(closing)
+        meta["sentence_bound"] += 1
+        if meta["open_steps"] is not None:  # they all closed together
+            meta["open_steps"] = 0
