@@ -17,7 +17,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 nvidia-smi -L | tee "$out/gpu.txt"
 $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 
-timeout "${TEST_TIMEOUT:-200}" $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/cuda_tests.log"
+# test_cuda.py includes the decode steps under torch.cuda.set_sync_debug_mode("error") (issue 16); -rxX lists
+# the methods still expected to synchronise (xfail) and any that stopped (XPASS: move them out of the list).
+# test_sync_audit.py is the same audit on the CPU, run here so both reports sit side by side.
+timeout "${TEST_TIMEOUT:-200}" $py -m pytest -q -rxX -p no:cacheprovider tests/test_cuda.py tests/test_sync_audit.py \
+  2>&1 | tee "$out/cuda_tests.log"
 
 shapes=$(mktemp -d)
 mkdir -p "$shapes/smollm2-135m" "$shapes/llama-3.1-8b"
