@@ -2,6 +2,9 @@
 
 Runs are interleaved (full, m1, m2, full, m1, m2, ...) and repeated, so machine noise hits every method
 alike; the table reports medians and ratios to ``full`` from the same run, plus device/host bytes.
+``--batch-size N`` decodes N prompts together (tokens per second counts all of them); ``--sync-audit`` also
+runs a few decode steps of each configuration under ``zoomkv.memory.sync_audit`` and reports the ops that
+would make the host wait for the device.
 Every speed claim in BENCHMARKS.md is this command's output.
 """
 
@@ -40,6 +43,9 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         Budget.parse(b)
     if args.repeats < 1 or args.new_tokens < 2:
         raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
+    batch = getattr(args, "batch_size", 1)
+    if batch < 1:
+        raise ZoomKVError(f"--batch-size must be at least 1, got {batch}")
     if args.length < 64:
         raise ZoomKVError(f"--length must be at least 64 tokens, got {args.length}")
     try:
@@ -54,7 +60,8 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device),
                                   random_weights=random_weights)
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
-    prompt = passkey_prompt(tokenizer, args.length, depth=0.5, seed=0)
+    # One prompt per sequence of the batch: the same length, each with its own pass key.
+    prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]
 
     configs: list[tuple[str, str | None, int | None]] = []
     for chunk in [None, *chunks]:
@@ -69,7 +76,7 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             torch.cuda.synchronize(model.device)
             base = torch.cuda.memory_allocated(model.device)
             torch.cuda.reset_peak_memory_stats(model.device)
-        r = generate_text(model, tokenizer, prompt.text, method=m, budget=b, max_new_tokens=new, chat=False,
+        r = generate_text(model, tokenizer, prompts, method=m, budget=b, max_new_tokens=new, chat=False,
                           stop_at_eos=False, prefill_chunk=chunk)
         return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
@@ -84,6 +91,8 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         for c in configs:
             samples[c].append(run(*c, args.new_tokens))
 
+    syncs = _sync_audit(model, tokenizer, prompts, configs, t0) if getattr(args, "sync_audit", False) else {}
+
     rows = []
     full_prefill = statistics.median(r.prefill_s for r, _ in samples[("full", None, None)])
     full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[("full", None, None)])
@@ -96,11 +105,14 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             "method": m,
             "budget": mem.budget,
             "prefill_chunk": chunk,
+            "batch_size": batch,
             "prompt_tokens": last.prompt_tokens,
             "prefill_s": round(prefill, 4),
             "prefill_ratio": round(prefill / full_prefill, 3),
             "decode_ms_per_token": round(decode, 3),
             "decode_ratio": round(decode / full_decode, 3),
+            "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
+            "syncs_per_step": syncs.get((m, _budget, chunk)),  # with --sync-audit: host waits per decode step
             "device_bytes": mem.device_bytes,
             "host_bytes": mem.host_bytes,
             "full_kv_bytes": mem.full_kv_bytes,
@@ -111,22 +123,52 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
                           "dtype": str(model.dtype).removeprefix("torch."), "length": args.length, "new_tokens": args.new_tokens,
-                          "repeats": args.repeats, "rows": rows}))
+                          "repeats": args.repeats, "batch_size": batch, "rows": rows}))
     else:
         weights = " (random weights: timing only)" if random_weights else ""
         print(f"model {args.model}{weights} on {model.device} in {str(model.dtype).removeprefix('torch.')}, "
-              f"prompt {rows[0]['prompt_tokens']} tokens, {args.new_tokens} new tokens, "
-              f"median of {args.repeats} interleaved runs")
+              f"prompt {rows[0]['prompt_tokens']} tokens" + (f" x {batch} sequences" if batch > 1 else "")
+              + f", {args.new_tokens} new tokens, median of {args.repeats} interleaved runs")
         print()
         cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
-        print("| method | budget | prefill chunk | prefill s | × full | decode ms/token | × full | device MiB | "
-              "peak device MiB | peak rows | host MiB | full KV MiB |" + (" CUDA peak MiB |" if cuda else ""))
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
+        audit = bool(syncs)
+        print("| method | budget | prefill chunk | prefill s | × full | decode ms/token | × full | decode tok/s | "
+              "device MiB | peak device MiB | peak rows | host MiB | full KV MiB |"
+              + (" CUDA peak MiB |" if cuda else "") + (" syncs/step |" if audit else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "") + ("---|" if audit else ""))
         for r in rows:
+            tps = r["decode_tokens_per_s"]
+            sps = r["syncs_per_step"]
             print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
                   f"{r['prefill_chunk'] or 'one-shot'} | {r['prefill_s']:.3f} | "
                   f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
+                  f"{tps if tps is not None else '-'} | "
                   f"{_mib(r['device_bytes'])} | {_mib(r['peak_device_bytes'])} | {r['peak_device_rows']} | "
                   f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
-                  + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else ""))
+                  + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else "")
+                  + ((f" {sps:g} |" if sps is not None else " - |") if audit else ""))
     return rows
+
+
+SYNC_AUDIT_STEPS = 4
+
+
+def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list, t0: float) -> dict:
+    """Per configuration (one-shot prefill only): the ops per decode step that would make the host wait for
+    the device, over ``SYNC_AUDIT_STEPS`` steps after a fresh prefill (zoomkv.memory.sync_audit)."""
+    from zoomkv.generation import encode_prompts
+    from zoomkv.memory import ZoomCache
+    from zoomkv.memory.sync_audit import audit_decode, summarize
+    from zoomkv.models import context_limit
+
+    inputs = encode_prompts(tokenizer, prompts, max_length=context_limit(model), max_new_tokens=SYNC_AUDIT_STEPS,
+                            device=model.device)
+    found = {}
+    for m, b, chunk in configs:
+        if chunk is not None:
+            continue
+        cache = ZoomCache(model, m, b, tokenizer=tokenizer)
+        audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
+        found[(m, b, chunk)] = round(sum(len(a.events) for a in audits) / len(audits), 2)
+        _progress(t0, f"sync audit {m}" + (f"@{b}" if b else "") + ": " + summarize(audits).replace("\n", "\n    "))
+    return found

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "peak device memory and prefill time beside the one-shot prefill")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="decode this many prompts together (each with its own pass key); tokens/s counts them all")
+    parser.add_argument("--sync-audit", action="store_true",
+                        help="also audit a few decode steps per configuration for ops that make the host wait for the "
+                             "device (.item(), nonzero, device-to-host copies; see zoomkv.memory.sync_audit)")
     parser.add_argument("--json", action="store_true")
 
 

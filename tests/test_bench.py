@@ -1,0 +1,41 @@
+"""``zoomkv bench`` on a tiny model: a batch of sequences decoded together, and the sync audit column."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from zoomkv.bench import run_bench
+from zoomkv.commands import bench as bench_command
+from zoomkv.errors import ZoomKVError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    return parser.parse_args(["--model", "tiny-llama", "--length", "96", "--new-tokens", "3", "--repeats", "1",
+                              "--no-warmup", *argv])
+
+
+def test_a_batch_decodes_together_and_counts_every_sequence(capsys):
+    rows = run_bench(_args("--methods", "full,quest", "--budgets", "48", "--batch-size", "3", "--sync-audit",
+                           "--json"))
+    report = json.loads(capsys.readouterr().out)
+    assert report["batch_size"] == 3 and [r["method"] for r in rows] == ["full", "quest"]
+    for r in rows:
+        assert r["batch_size"] == 3
+        assert r["decode_tokens_per_s"] == pytest.approx(3000 / r["decode_ms_per_token"], rel=0.01)
+        assert r["syncs_per_step"] == 0  # both are sync-free on the CPU (tests/test_sync_audit.py)
+
+
+def test_the_table_shows_tokens_per_second_and_no_audit_column_unasked(capsys):
+    run_bench(_args("--methods", "full", "--budgets", "48"))
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "syncs/step" not in out
+
+
+def test_a_batch_of_none_is_refused():
+    with pytest.raises(ZoomKVError, match="--batch-size"):
+        run_bench(_args("--batch-size", "0"))
