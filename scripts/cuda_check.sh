@@ -44,3 +44,7 @@ bench bench_smollm2_8k "${BENCH1_TIMEOUT:-150}" --model "$shapes/smollm2-135m" -
   --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 64 --repeats 3
 bench bench_llama8b_16k "${BENCH2_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 16384 \
   --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 32 --repeats 3
+# Several sequences at once (tokens/s over the batch) and the sync audit per decode step (issue 16): on a GPU
+# the audit also names the recall's device-to-host copies.
+bench bench_smollm2_8k_batch4 "${BENCH3_TIMEOUT:-120}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
+  --methods full,quest,clusterkv,sekv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --sync-audit --no-warmup
