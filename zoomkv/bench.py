@@ -33,7 +33,7 @@ def _progress(t0: float, message: str) -> None:
 def run_bench(args: Any) -> list[dict[str, Any]]:
     from zoomkv.budget import Budget
     from zoomkv.methods import get_method
-    from zoomkv.models import load_model, parse_dtype, resolve_device
+    from zoomkv.models import context_limit, load_model, parse_dtype, resolve_device
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
@@ -41,6 +41,8 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
         get_method(m)
     for b in budgets:
         Budget.parse(b)
+    if not budgets and any(m != "full" for m in methods):
+        raise ZoomKVError(f"--budgets: no budget given for {', '.join(m for m in methods if m != 'full')}")
     if args.repeats < 1 or args.new_tokens < 2:
         raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
     batch = getattr(args, "batch_size", 1)
@@ -59,6 +61,9 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     _progress(t0, f"loading {args.model}" + (" (random weights)" if random_weights else ""))
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device),
                                   random_weights=random_weights)
+    if args.length + args.new_tokens > context_limit(model):
+        raise ZoomKVError(f"--length {args.length} plus --new-tokens {args.new_tokens} is over {args.model}'s maximum "
+                          f"context of {context_limit(model)} tokens")
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     # One prompt per sequence of the batch: the same length, each with its own pass key.
     prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]

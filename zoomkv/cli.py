@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 from collections.abc import Callable
 from types import ModuleType
 
@@ -34,6 +35,14 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing argument, ``--length abc``, an unknown choice) are one
+    line on stderr and exit status 2, like every other input error; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _command(name: str) -> tuple[ModuleType, str]:
     for command, module_name, help_text in COMMANDS:
         if command == name:
@@ -51,7 +60,7 @@ def _help_parts(module: ModuleType, fallback: str) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     from zoomkv.version import __version__
 
-    parser = argparse.ArgumentParser(prog="zoomkv", description=__doc__.split("\n")[0])
+    parser = Parser(prog="zoomkv", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"zoomkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, _, help_text in COMMANDS:
@@ -70,6 +79,12 @@ def _run(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Nam
     except ZoomKVError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if err.filename is None:
+            raise
+        # a path the system refused (no permission, read-only, a file where a folder goes, disk full)
+        print(f"{prog}: error: {err.filename}: {err.strerror or err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -85,8 +100,7 @@ def run_command(name: str, argv: list[str] | None = None, *, prog: str) -> int:
     """One subcommand as a program of its own (``python -m zoomkv.train`` is ``zoomkv train``), with the
     same arguments and error path."""
     module, help_text = _command(name)
-    parser = argparse.ArgumentParser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     **_help_parts(module, help_text))
+    parser = Parser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **_help_parts(module, help_text))
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     return _run(parser.prog, module.run, args)

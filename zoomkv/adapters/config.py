@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError, AdapterVersionError
-from zoomkv.errors import ConfigError
+from zoomkv.budget import Budget
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape
 
 CONFIG_NAME = "adapter_config.json"
@@ -99,6 +100,14 @@ class ZoomAdapterConfig:
         missing_fp = sorted(k for k in FINGERPRINT_KEYS if k not in data["base_model"])
         if missing_fp:
             raise AdapterConfigError(f"{source}: base_model fingerprint lacks {missing_fp}")
+        for key in ("name", "revision"):
+            if not isinstance(data["base_model"].get(key), str | None):
+                raise AdapterConfigError(f"{source}: base_model {key!r} has type "
+                                         f"{type(data['base_model'][key]).__name__}, not a string")
+        try:  # the budget the adapter records is used as the default budget: checked like --budget
+            Budget.parse(data.get("budget"))
+        except ZoomKVError as err:
+            raise AdapterConfigError(f"{source}: field 'budget': {err}") from None
         config = cls(**{k: v for k, v in data.items() if k in known})
         config.model_shape()  # validates the shape now, not at the first use
         return config
@@ -110,6 +119,8 @@ class ZoomAdapterConfig:
             raise AdapterNotFoundError(f"no {CONFIG_NAME} at {path}")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (UnicodeDecodeError, ValueError) as err:  # ValueError: bad JSON, an integer of 4300+ digits
             raise AdapterConfigError(f"{path}: not valid JSON ({err})") from err
+        except RecursionError:
+            raise AdapterConfigError(f"{path}: not valid JSON (nested too deeply)") from None
         return cls.from_dict(data, source=str(path))

@@ -55,6 +55,7 @@ def resolve_adapter(name_or_path: str | Path, *, revision: str | None = None, to
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
@@ -78,6 +79,8 @@ def resolve_adapter(name_or_path: str | Path, *, revision: str | None = None, to
             raise AdapterNotFoundError(
                 f"adapter {text!r}: no such local folder, and no such Hub repository (or no access)"
             ) from err
+        except HFValidationError as err:  # 'a/..', '-x/y': the Hub's own rules for an id
+            raise AdapterNotFoundError(f"adapter {text!r}: no such local folder, and not a valid Hub id ({err})") from err
         except RevisionNotFoundError as err:
             raise AdapterNotFoundError(f"adapter {text!r}: no revision {revision!r}") from err
         except EntryNotFoundError as err:

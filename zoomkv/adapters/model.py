@@ -89,9 +89,17 @@ def _build(training: Any, method: str, shape: ModelShape, hyper: dict[str, Any],
     except (NotImplementedError, RuntimeError) as err:
         if meta and (isinstance(err, NotImplementedError) or "meta" in str(err)):
             return None  # the builder reads tensor data: it cannot be planned without memory
-        raise AdapterConfigError(f"{method} adapter: hyper-parameters that build no modules ({err})") from err
+        raise AdapterConfigError(f"{method} adapter: hyper-parameters that build no modules ({_first_line(err)}; "
+                                 f"{_sizes(hyper)})") from err
     except (TypeError, ValueError, OverflowError) as err:
-        raise AdapterConfigError(f"{method} adapter: invalid hyper-parameters ({err})") from err
+        raise AdapterConfigError(f"{method} adapter: invalid hyper-parameters ({_first_line(err)}; "
+                                 f"{_sizes(hyper)})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    """torch's errors carry a C++ stack after their first line: the message is that line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:

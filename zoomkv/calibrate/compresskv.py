@@ -58,11 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zoomkv.methods.compresskv import default_profile_path
-    from zoomkv.models import load_model, parse_dtype, resolve_device
+    from zoomkv.models import context_limit, load_model, parse_dtype, resolve_device
 
     if args.samples < 1 or args.length < 16 or args.top_heads < 1 or args.error_budget <= args.window:
         raise ZoomKVError("need --samples ≥ 1, --length ≥ 16, --top-heads ≥ 1 and --error-budget > --window")
+    if args.window < 1 or args.kernel_size < 1 or args.answer_tokens < 0 or args.samples > 100_000:
+        raise ZoomKVError("need --window ≥ 1, --kernel-size ≥ 1, --answer-tokens ≥ 0 and --samples ≤ 100000")
+    if args.out and Path(args.out).is_dir():
+        raise ZoomKVError(f"--out {args.out} is a folder; give the profile file's path")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
+    if args.length + max(args.answer_tokens, 0) > context_limit(model):
+        raise ZoomKVError(f"--length {args.length} is over {args.model}'s maximum context of {context_limit(model)}")
     profile = calibrate(
         model, tokenizer, model_name=args.model, samples=args.samples, length=args.length,
         top_heads=args.top_heads, error_budget=args.error_budget, window=args.window,

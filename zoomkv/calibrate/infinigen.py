@@ -90,13 +90,17 @@ def build_profile(model: Any, input_ids: torch.Tensor, model_name: str, partial_
 
 
 def run(args: argparse.Namespace) -> int:
-    from zoomkv.models import load_model, parse_dtype, resolve_device
+    from zoomkv.models import context_limit, load_model, parse_dtype, resolve_device
 
     if args.tokens < 16:
         raise ZoomKVError(f"--tokens must be at least 16, got {args.tokens}")
+    if args.output and Path(args.output).is_dir():
+        raise ZoomKVError(f"--output {args.output} is a folder; give the profile file's path")
     text = default_text() if args.text_file is None else read_text_file(args.text_file, "calibration text")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
+    if args.tokens > context_limit(model):
+        raise ZoomKVError(f"--tokens {args.tokens} is over {args.model}'s maximum context of {context_limit(model)}")
     ids = calibration_ids(tokenizer, text, args.tokens).to(model.device)
     if ids.shape[1] < args.tokens:
         print(f"note: the calibration text has only {ids.shape[1]} tokens")

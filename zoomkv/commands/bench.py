@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from zoomkv.cli_args import int_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
@@ -14,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="256", help="comma-separated budgets (rows or fractions)")
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int_option(1, 10_000), default=3)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--random-weights", action="store_true",

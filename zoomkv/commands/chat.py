@@ -13,6 +13,7 @@ import sys
 
 from zoomkv.cli_args import parse_method_args
 from zoomkv.data.files import read_text_file
+from zoomkv.errors import ZoomKVError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as err:
+            raise ZoomKVError(f"the input is not UTF-8 text ({err.reason} at byte {err.start} of a line)") from None
+        line = line.encode("utf-8", "replace").decode("utf-8")  # undecodable bytes read as surrogates
         if not line or line.strip() in ("/quit", "/exit"):
             break
         question = line.strip()

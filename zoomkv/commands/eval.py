@@ -14,7 +14,7 @@ import argparse
 import shlex
 from typing import Any
 
-from zoomkv.cli_args import parse_scoped_method_args
+from zoomkv.cli_args import int_option, parse_scoped_method_args
 from zoomkv.data.files import FORMATS as DATA_FORMATS
 from zoomkv.errors import ZoomKVError
 
@@ -42,6 +42,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     if not args.out:
         raise ZoomKVError("give the output folder with --out DIR")
+    from zoomkv.eval.rows import check_output_folder
+
+    check_output_folder(args.out)  # a file in the way or a read-only place: refused before the model loads
     lengths = _ints(args.length, "--length")
     if not lengths:
         raise ZoomKVError("--length needs at least one token count")
@@ -108,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="", help="comma-separated budgets: rows (512) or fractions (0.1)")
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
     parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
-    parser.add_argument("--samples", type=int, default=4, help="samples per task and length (and grid cell)")
+    parser.add_argument("--samples", type=int_option(1, 1_000_000), default=4, help="samples per task and length (and grid cell)")
     parser.add_argument("--data", action="append", metavar="[NAME=]SOURCE",
                         help="task records from a .jsonl/.json/.parquet/.csv file, a saved dataset folder or a Hub "
                              "dataset id (LongBench, LongBench-v2, InfiniteBench, RULER export, plain or GSM8K "
@@ -125,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
                         help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
                              "(its own budget when none); repeatable")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts prefilled and decoded together")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the task generators")
+    parser.add_argument("--batch-size", type=int_option(1), default=1, help="prompts prefilled and decoded together")
+    parser.add_argument("--seed", type=int_option(0, 2**32 - 1), default=0, help="seed of the task generators")
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",
                         help="wrap prompts in the model's chat template (auto: when it has one); default off, "
                              "as RULER prompts with an answer prefix")
@@ -142,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (fewer can be faster on a busy machine)")
+    parser.add_argument("--threads", type=int_option(1, 4096), help="CPU threads for torch (fewer can be faster on a busy machine)")
     parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
     parser.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -10,7 +10,10 @@ as a JSON list (``["a", "b"]``); a single answer can be plain text."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,6 +89,30 @@ def _from_csv(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _arrow_safe(path: Path) -> bool:
+    """Whether a JSON / JSONL file is records Python's json reads (objects, or one array of them; not nested
+    past its recursion limit): only those go to pyarrow, which segfaults on a lone ``null`` or on JSON
+    nested some ten thousand deep instead of raising."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json" and text.lstrip("\ufeff \t\r\n").startswith("["):
+            return all(isinstance(r, dict) for r in json.loads(text))
+        return all(isinstance(json.loads(line), dict) for line in text.splitlines() if line.strip())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+
+
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    logger = logging.getLogger("datasets.packaged_modules")  # the json/csv/... builders ("datasets" is reset)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def read_records(source: str) -> list[tuple[int, dict[str, Any]]]:
     """``(where, record)`` for every record of ``source``: ``where`` is the line number in a JSONL file,
     else the record's number counted from 1. Null fields are left out (a table gives every record every
@@ -95,8 +122,12 @@ def read_records(source: str) -> list[tuple[int, dict[str, Any]]]:
     if not local and (path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~"))):
         raise DataFileError(path, None, "file not found")
     by_line = local and path.is_file() and path.suffix.lower() in (".jsonl", ".json")
+    if by_line and not _arrow_safe(path):
+        # named by line here: pyarrow (26) crashes the whole process on some bad files (`null`, deep nesting)
+        return [(line, {k: v for k, v in obj.items() if v is not None}) for line, obj in read_jsonl(path)]
     try:
-        ds = load_source(source)
+        with _datasets_quiet():  # its parse errors are logged before they are raised; the one line is ours
+            ds = load_source(source)
     except ZoomKVError:
         if by_line:  # names the broken line, or reads the records arrow could not put in one table
             return [(line, {k: v for k, v in obj.items() if v is not None}) for line, obj in read_jsonl(path)]

@@ -39,6 +39,10 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataFileError(path, number, f"bad JSON ({err.msg} at column {err.colno})") from None
+        except ValueError as err:  # an integer of more than 4300 digits
+            raise DataFileError(path, number, f"bad JSON ({err})") from None
+        except RecursionError:
+            raise DataFileError(path, number, "bad JSON (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise DataFileError(path, number, f"expected a JSON object, got {type(obj).__name__}")
         records.append((number, obj))

@@ -174,7 +174,7 @@ def longbench_record(path: Path, line: int, obj: dict[str, Any], default_name: s
     require(path, line, obj, {"input": (str,), "context": (str,), "answers": (list, str)}, "LongBench")
     name = str(obj.get("dataset") or default_name)
     answers = string_list(path, line, obj["answers"], "answers")
-    classes = obj.get("all_classes")
+    classes = _classes(path, line, obj)
     if "metric" in obj:
         info = DatasetInfo(str(obj["metric"]), _count_field(path, line, obj, "max_new_tokens", 64), "qa")
     else:
@@ -189,6 +189,16 @@ def longbench_record(path: Path, line: int, obj: dict[str, Any], default_name: s
                         info.first_line, line)
 
 
+def _classes(path: Path, line: int, obj: dict[str, Any]) -> list[str] | None:
+    """``all_classes``: absent, or the class names as a list of strings."""
+    classes = obj.get("all_classes")
+    if classes is None:
+        return None
+    if not isinstance(classes, list):
+        raise DataFileError(path, line, "field 'all_classes' should be a list of strings")
+    return string_list(path, line, classes, "all_classes")
+
+
 def plain_record(path: Path, line: int, obj: dict[str, Any], default_name: str) -> tuple[str, Record]:
     """``{"prompt", "answers", [context, answer_prefix, metric, task, max_new_tokens, all_classes, chat]}``:
     the context (cut in its middle when too long) comes first, then the prompt."""
@@ -200,10 +210,13 @@ def plain_record(path: Path, line: int, obj: dict[str, Any], default_name: str) 
     if not isinstance(context, str):
         raise DataFileError(path, line, "field 'context' should be a string")
     chat = obj.get("chat")
+    prefix = obj.get("answer_prefix", "")
+    if not isinstance(prefix, str):
+        raise DataFileError(path, line, "field 'answer_prefix' should be a string")
     record = Record(
-        "", context, ("\n\n" if context else "") + obj["prompt"], str(obj.get("answer_prefix", "")),
+        "", context, ("\n\n" if context else "") + obj["prompt"], prefix,
         string_list(path, line, obj["answers"], "answers"), metric, _count_field(path, line, obj, "max_new_tokens", 64),
-        obj.get("all_classes"), chat if isinstance(chat, bool) else None, bool(obj.get("first_line", False)), line,
+        _classes(path, line, obj), chat if isinstance(chat, bool) else None, bool(obj.get("first_line", False)), line,
     )
     if metric == "classification" and not record.all_classes:
         raise DataFileError(path, line, "missing field 'all_classes' (the classification metric needs it)")

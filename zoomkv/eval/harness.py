@@ -220,6 +220,9 @@ def check_lengths(cfg: EvalConfig, model_max: int, model_name: str) -> None:
         spec = SYNTHETIC_TASKS.get(task, SYNTHETIC_TASKS["niah_single_1"])
         # a multi-turn task adds each follow-up (a question of ~40 tokens) and its answer
         new = (cfg.max_new_tokens or spec.max_new_tokens) * spec.turns + 40 * (spec.turns - 1)
+        if new >= model_max:
+            raise ZoomKVError(f"{task}: {new} new tokens alone are over the maximum context of {model_name} "
+                              f"({model_max} tokens); lower --max-new-tokens")
         if length + new > model_max:
             raise ZoomKVError(
                 f"length {length} for {task} plus its {new} new tokens is over the maximum context of "

@@ -35,10 +35,33 @@ def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
             row["method"], row.get("method_args") or "", row.get("budget") or "")
 
 
+def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
+    """``--out``: a folder that is there or can be made (a file in the way, a read-only place: one
+    ``ZoomKVError`` naming it). Without ``create`` nothing is left behind: a probe folder is made and removed
+    where the first missing folder would go."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ZoomKVError(f"--out {out} is a file, not a folder")
+    base = out
+    while not base.exists() and base.parent != base:
+        base = base.parent
+    if not base.is_dir():
+        raise ZoomKVError(f"--out {out}: {base} is a file, not a folder")
+    try:
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+        else:
+            import tempfile
+
+            os.rmdir(tempfile.mkdtemp(prefix=".zoomkv-probe-", dir=base))
+    except OSError as err:
+        raise ZoomKVError(f"--out {out}: cannot write there ({err.strerror or err})") from None
+    return out
+
+
 class RowStore:
     def __init__(self, out: str | Path, identity: dict[str, Any], *, overwrite: bool = False):
-        self.out = Path(out).expanduser()
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = check_output_folder(out, create=True)
         self.path = self.out / "rows.jsonl"
         run_file = self.out / "run.json"
         if overwrite:  # everything an earlier run wrote here, so no stale plot outlives its rows

@@ -114,8 +114,22 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"overrides are key=value, got {item!r}")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        out[key.strip()] = _load_yaml(value, f"override {item!r}") if value.strip() else ""
     return out
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load``, its errors one ``ConfigError`` line naming ``where``, the problem and its place."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML: {err.problem or err.context}{at}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {str(err).splitlines()[0] if str(err) else err!r}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply for a recipe (a recipe is a flat key: scalar mapping)") from None
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
@@ -124,7 +138,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a recipe is a YAML file") from None
+        loaded = _load_yaml(text, str(path)) or {}
         if not isinstance(loaded, dict) or any(isinstance(v, dict | list) for v in loaded.values()):
             raise ConfigError(f"{path}: a recipe is a flat YAML mapping of key: scalar")
         raw.update(loaded)
@@ -154,6 +172,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         value = getattr(cfg, key)
         if value and not Path(value).exists():
             raise ConfigError(f"recipe key {key!r}: file or folder not found: {value}")
+        if value and key == "init_adapter" and not Path(value).is_dir():
+            raise ConfigError(f"recipe key {key!r}: {value} is a file, not an adapter folder")
     try:
         mix = cfg.task_mix
     except ZoomKVError as err:
@@ -179,9 +199,9 @@ RANGES: dict[str, tuple[str, Any]] = {
     "max_trainable_fraction": ("a number in (0, 1]", lambda v: 0 < v <= 1),
     "budget": (">= 1", lambda v: v >= 1),
     "recent": (">= 0", lambda v: v >= 0),
-    "seed": (">= 0", lambda v: v >= 0),
+    "seed": ("0 to 2**32 - 1", lambda v: 0 <= v < 2**32),
     "layers_per_step": (">= 0 (0: all layers)", lambda v: v >= 0),
-    "threads": (">= 0 (0: torch's default)", lambda v: v >= 0),
+    "threads": ("0 to 4096 (0: torch's default)", lambda v: 0 <= v <= 4096),
     "eval_samples": (">= 0", lambda v: v >= 0),
     "kill_at_step": (">= 0", lambda v: v >= 0),
 }

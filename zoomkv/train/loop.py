@@ -19,6 +19,7 @@ bitwise the adapter of an uninterrupted run (CPU, same seed). A step checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -72,7 +73,27 @@ def build_adapter(cfg: TrainConfig, shape: ModelShape) -> torch.nn.Module:
             raise ConfigError(f"recipe key 'init_adapter': {cfg.init_adapter} holds a {loaded.config.method!r} "
                               f"adapter, not {cfg.method!r}")
         return loaded.modules
+    plan_adapter(cfg, shape)
     return cfg.training.init_modules(cfg, shape)
+
+
+def plan_adapter(cfg: TrainConfig, shape: ModelShape) -> None:
+    """The recipe's modules built on the meta device first (no memory): sizes that overflow or make more than
+    ``max_trainable_fraction`` of the base model are refused before anything is allocated. (An init that
+    reads tensor data cannot run there; ``check_fraction`` then checks the real modules.)"""
+    sizes = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg.options).items()
+                      if isinstance(v, int) and not isinstance(v, bool)) if cfg.options is not None else ""
+    try:
+        with torch.device("meta"):
+            planned = cfg.training.init_modules(cfg, shape)
+    except ZoomKVError:
+        raise
+    except (TypeError, ValueError, OverflowError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"recipe keys of {cfg.method!r} ({sizes}) build no modules: {first}") from None
+    except (NotImplementedError, RuntimeError):
+        return
+    check_fraction(planned, shape, cfg, log=lambda *args: None)
 
 
 def check_fraction(adapter: torch.nn.Module, shape: ModelShape, cfg: TrainConfig, log=print) -> float:
