@@ -98,3 +98,46 @@ def test_peft_refuses_wrong_base_and_bad_weights(tmp_path):
     (folder / "adapter_model.bin").write_bytes(b"pickle would run here")
     with pytest.raises(AdapterError, match="never loaded"):
         load_peft_adapter(load_model("tiny-llama")[0], folder)
+
+
+@pytest.mark.usefixtures("probe_method")
+def test_peft_generate_compresses_by_itself(tmp_path):
+    """``PeftModel.from_pretrained(base, folder).generate(...)`` runs the adapter in a ZoomCache at the budget
+    its config records: the same tokens as ``ZoomAdapter.from_pretrained`` + its cache, other than plain
+    attention's; the base model's own ``generate`` is plain attention; a cache passed in is used as given."""
+    model, tok = load_model("tiny-llama")
+    folder = fresh_adapter(model).save_pretrained(tmp_path / "a")  # records budget=8
+    loaded = ZoomAdapter.from_pretrained(folder)
+    expected = run(load_model("tiny-llama")[0], tok, loaded, budget=8)
+    inputs = tok([PROMPT], return_tensors="pt")
+    settings = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": tok.pad_token_id}
+    plain = model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert plain != expected  # the budget is small enough that compression changes the answer
+
+    peft_model = PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
+    with torch.inference_mode():
+        auto = peft_model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+        off = peft_model.get_base_model().generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+        again = peft_model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert auto == expected and again == expected
+    assert off == plain
+    assert "generate" not in vars(peft_model.get_base_model())  # the wrapper lives for one call only
+    assert peft_run(peft_model, tok, budget=8) == expected  # an explicit cache still works
+    from transformers import DynamicCache
+
+    with torch.inference_mode():  # and so does another kind of cache: plain attention then
+        dynamic = peft_model.generate(**inputs, **settings, **generate_cache_kwargs(DynamicCache()))
+    assert dynamic[0, inputs["input_ids"].shape[1]:].tolist() == plain
+
+
+@pytest.mark.usefixtures("probe_method")
+def test_peft_generate_without_a_budget_says_how_to_give_one():
+    model, tok = load_model("tiny-llama")
+    peft_model = get_peft_model(model, ZoomKVPeftConfig.for_model(model, PROBE, {"scale": 4.0}))
+    inputs = tok([PROMPT], return_tensors="pt")
+    with pytest.raises(AdapterError, match=r"records no budget.*cache_from_peft\(peft_model, budget="):
+        peft_model.generate(**inputs, max_new_tokens=2)
+    assert "generate" not in vars(peft_model.get_base_model())
+    with torch.inference_mode():
+        out = peft_model.generate(**inputs, max_new_tokens=2, **generate_cache_kwargs(cache_from_peft(peft_model, 8)))
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 2

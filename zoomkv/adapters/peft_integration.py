@@ -2,12 +2,19 @@
 ``save_pretrained`` and ``push_to_hub`` work on it.
 
     import zoomkv                                         # registers the PEFT method once peft is imported
+    peft_model = PeftModel.from_pretrained(model, "out")  # a folder written by `zoomkv export` (or PEFT's save)
+    peft_model.generate(**inputs, max_new_tokens=32)      # compresses: a ZoomCache at the adapter's budget
+
     from zoomkv.adapters.peft_integration import ZoomKVPeftConfig, cache_from_peft
-    peft_model = get_peft_model(model, ZoomKVPeftConfig.for_model(model, "sekv", hyper))
+    peft_model = get_peft_model(model, ZoomKVPeftConfig.for_model(model, "sekv", hyper, budget=256))
     peft_model.save_pretrained("out")                     # adapter_config.json + adapter_model.safetensors
-    peft_model = PeftModel.from_pretrained(model, "out")  # or a folder written by `zoomkv export`
-    cache = cache_from_peft(peft_model, budget=256)
-    peft_model.generate(**inputs, cache=cache)
+    peft_model.generate(**inputs, **generate_cache_kwargs(cache_from_peft(peft_model, budget=64)))  # another B
+    peft_model.get_base_model().generate(**inputs)       # plain attention, the base model alone
+
+``generate()`` on a PEFT model whose active adapter is a zoomkv adapter builds a fresh ``ZoomCache`` running
+it at the budget its config records (``budget``), one per call; a cache passed to ``generate`` is used as
+given; an adapter config without a budget makes ``generate`` say how to pass one. ``forward`` (no cache) is
+the base model's.
 
 What PEFT 0.21 really offers and where it does not fit (see ``register`` and ``ZoomKVTuner``):
 
@@ -20,7 +27,9 @@ What PEFT 0.21 really offers and where it does not fit (see ``register`` and ``Z
   function. So the tuner targets nothing; it holds the modules in a model-level ``ModuleDict``
   (``zoomkv_modules``, keyed by adapter name, as VeRA keeps ``vera_A``) that PEFT's structural state-dict
   code saves and loads, and the PeftModel's forward is the base model's. Generation goes through a
-  ``ZoomCache`` built by ``cache_from_peft``.
+  ``ZoomCache`` built by ``cache_from_peft``: PEFT enters the tuner's ``_enable_peft_forward_hooks`` around
+  ``PeftModel.generate`` (what LoRA uses for ``adapter_names``), and there the base model's ``generate`` is
+  wrapped, for that call only, to add the cache when none is given.
 * PEFT loads with ``load_state_dict(strict=False)``: a missing tensor would leave random weights in
   place silently. ``ZoomKVTuner._remap_adapter_state_dict_for_load`` checks keys and shapes first and
   raises the same errors as ``ZoomAdapter.from_pretrained``. PEFT falls back to ``torch.load`` for an
@@ -37,8 +46,10 @@ One folder format serves both: ``zoomkv export`` writes ``peft_type: ZOOMKV`` in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +78,7 @@ from zoomkv.adapters.errors import (
 )
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
 from zoomkv.adapters.weights import read_weights, sha256
+from zoomkv.compat import cache_kwarg, generate_cache_kwargs
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
 PEFT_NAME = "zoomkv"
@@ -215,10 +227,44 @@ class ZoomKVTuner(BaseTuner):
         self.active_adapter = adapter_name
 
     def disable_adapter_layers(self) -> None:
-        raise AdapterError("a zoomkv adapter is disabled by generating without its cache (plain ZoomCache/method)")
+        self._zoomkv_disabled = True  # generate() then adds no cache: plain attention
 
     def enable_adapter_layers(self) -> None:
-        pass
+        self._zoomkv_disabled = False
+
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """Around ``PeftModel.generate`` (and ``forward``): the base model's ``generate`` adds a ``ZoomCache``
+        running the active adapter at its config's budget when the call passes no cache."""
+        model = self.model
+        if getattr(self, "_zoomkv_disabled", False) or "generate" in vars(model):
+            yield  # disabled, or already inside a wrapped call
+            return
+        original = model.generate
+
+        def generate(*gen_args: Any, **gen_kwargs: Any) -> Any:
+            names = {cache_kwarg(), "past_key_values", "cache"}
+            if gen_kwargs.get("use_cache") is not False and all(gen_kwargs.get(n) is None for n in names):
+                gen_kwargs.update(generate_cache_kwargs(self._default_cache()))
+            return original(*gen_args, **gen_kwargs)
+
+        model.generate = generate  # an instance attribute, for this call only
+        try:
+            yield
+        finally:
+            del model.generate
+
+    def _default_cache(self) -> Any:
+        name = self.active_adapter if isinstance(self.active_adapter, str) else self.active_adapter[0]
+        config = self.peft_config[name]
+        adapter = ZoomAdapter(config.to_zoom_config(), self.modules_for(name))
+        if adapter.config.budget is None:
+            raise AdapterError(
+                f"zoomkv adapter {name!r} records no budget, so generate() cannot build its cache: pass one, "
+                "peft_model.generate(**inputs, **generate_cache_kwargs(cache_from_peft(peft_model, budget=256))), "
+                "or set ZoomKVPeftConfig(budget=...)"
+            )
+        return cache_from_adapter(self.model, adapter)
 
     def modules_for(self, adapter_name: str | None = None) -> torch.nn.Module:
         name = adapter_name or (self.active_adapter if isinstance(self.active_adapter, str) else self.active_adapter[0])
