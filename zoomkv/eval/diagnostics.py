@@ -84,6 +84,21 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _save_shares(plt: Any, fig: Any, axes: Any, titles: tuple[str, str], xlabel: str, legend_ax: Any,
+                 path: Path) -> Path:
+    """Two panels of shares in [0, 1]: titles, axes, the legend on ``legend_ax``, saved to ``path``."""
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    legend_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """``diagnostics_layers.png`` (mass and overlap per layer, a line per method and budget),
     ``diagnostics_steps.png`` (mass per answer token) and ``diagnostics_heads.png`` (layer × KV head mass,
@@ -102,17 +117,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         for ax, key in zip(axes, ("mass", "overlap"), strict=True):
             layers, table = per_layer(diags, key)
             ax.plot(layers, [statistics.fmean(t) for t in table], marker=".", label=f"{label} @ {budget or '–'}")
-    axes[0].set_title("share of full attention mass kept, per layer")
-    axes[1].set_title("overlap with exact top-B rows, per layer")
-    for ax in axes:
-        ax.set_xlabel("layer")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "diagnostics_layers.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_shares(plt, fig, axes, ("share of full attention mass kept, per layer",
+                                                "overlap with exact top-B rows, per layer"),
+                              "layer", axes[1], out / "diagnostics_layers.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     for (label, budget), diags in groups.items():
@@ -121,17 +128,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         needle = needle_by_step(diags)
         if needle:
             axes[1].plot(range(1, len(needle) + 1), needle, marker=".", label=f"{label} @ {budget or '–'}")
-    axes[0].set_title("mass kept per answer token (mean over layers and heads)")
-    axes[1].set_title("needle's attention mass kept per answer token")
-    for ax in axes:
-        ax.set_xlabel("answer token")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "diagnostics_steps.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_shares(plt, fig, axes, ("mass kept per answer token (mean over layers and heads)",
+                                                "needle's attention mass kept per answer token"),
+                              "answer token", axes[0], out / "diagnostics_steps.png"))
 
     n = len(groups)
     fig, axes = plt.subplots(1, n, figsize=(2.2 * n + 1, 6), squeeze=False)
