@@ -128,6 +128,12 @@ def test_peft_generate_compresses_by_itself(tmp_path):
     with torch.inference_mode():  # and so does another kind of cache: plain attention then
         dynamic = peft_model.generate(**inputs, **settings, **generate_cache_kwargs(DynamicCache()))
     assert dynamic[0, inputs["input_ids"].shape[1]:].tolist() == plain
+    # PEFT's own switch: inside disable_adapter() generate is plain attention, and the adapter is back after.
+    with torch.inference_mode():
+        with peft_model.disable_adapter():
+            disabled = peft_model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+        enabled = peft_model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert disabled == plain and enabled == expected
 
 
 @pytest.mark.usefixtures("probe_method")

@@ -334,6 +334,7 @@ def test_bad_sizes_through_the_cli_and_peft(tmp_path, llama, capsys):  # noqa: F
     for hyper, shape, match in (
         ({"r_max": "abc"}, {}, "'r_max' must be an integer >= 1"),
         ({"proj_dim": -3}, {}, "'proj_dim' must be an integer >= 1"),
+        ({"r_mx": 8}, {}, "unknown hyper-parameter(s) ['r_mx']"),  # misspelt: never ignored silently
         ({}, {"head_dim": "x"}, "head_dim must be an integer"),
         ({}, {"layer_types": 7}, "layer_types must be a list"),
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -236,6 +237,26 @@ def test_cache_is_built_once_atomically_and_reused(tmp_path):
     assert gguf._build_cache("fake", fingerprint, _fake_convert(calls)) == folder
     assert len(calls) == 1  # the second call trusted the complete cache
     assert [p.name for p in folder.parent.iterdir()] == ["fake"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_cache_files_follow_the_umask(tmp_path, umask):
+    """save_pretrained writes through temporary files (0600) and mkdtemp makes 0700 folders: a cache shared
+    by users of one machine is as readable as the umask says."""
+
+    def private_convert(scratch: Path, out: Path) -> None:
+        out.mkdir(mode=0o700)
+        (out / "model.safetensors").write_bytes(b"weights")
+        os.chmod(out / "model.safetensors", 0o600)
+
+    before = os.umask(umask)
+    try:
+        folder = gguf._build_cache("fake", {"format": 1}, private_convert)
+    finally:
+        os.umask(before)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+    for name in ("model.safetensors", gguf._MARKER):
+        assert (folder / name).stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_a_failed_conversion_leaves_no_cache(tmp_path):

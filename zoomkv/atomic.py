@@ -45,3 +45,13 @@ def current_umask() -> int:
 def follow_umask(folder: Path) -> None:
     """Give a folder made by ``tempfile.mkdtemp`` (always 0700) the mode ``mkdir`` would have given it."""
     os.chmod(folder, 0o777 & ~current_umask())
+
+
+def follow_umask_tree(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes ``mkdir`` / ``open`` would have given them: writers
+    that go through a temporary file (transformers' ``save_pretrained`` among them) leave files 0600."""
+    mask = current_umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)

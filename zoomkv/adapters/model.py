@@ -58,6 +58,7 @@ def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
     against the file's. Only then are they built for real: loading never allocates more than the weights it
     names. (A builder that cannot run on the meta device, reading tensor data, skips the first step.)"""
     training = get_training(method)
+    _check_hyper_keys(training, method, hyper)
     planned = _build(training, method, shape, hyper, meta=True)
     if planned is not None:
         expected = planned.state_dict()
@@ -72,6 +73,18 @@ def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
     modules = _build(training, method, shape, hyper, meta=False)
     assert modules is not None
     return modules
+
+
+def _check_hyper_keys(training: Any, method: str, hyper: dict[str, Any]) -> None:
+    """Refuse hyper-parameters neither the method's config nor its modules know: a misspelt key (``r_mx``)
+    would otherwise load an adapter that silently runs with the default."""
+    if training.module_keys is None or method not in METHODS:
+        return
+    known = {f.name for f in dataclasses.fields(METHODS[method].config_class)} | set(training.module_keys)
+    unknown = sorted(k for k in hyper if k not in known)
+    if unknown:
+        raise AdapterConfigError(f"{method} adapter: unknown hyper-parameter(s) {unknown} (known: "
+                                 f"{', '.join(sorted(known))})")
 
 
 def _sizes(hyper: dict[str, Any]) -> str:

@@ -185,6 +185,14 @@ class ZoomKVLayer(BaseTunerLayer):
     adapter_layer_names = (CONTAINER,)
 
 
+class ZoomKVModules(torch.nn.ModuleDict, BaseTunerLayer):
+    """The adapters' modules by name, the tuner's one container. It is a tuner layer only so that PEFT's
+    layer walk (``get_model_status``, which ``PeftModel.disable_adapter()`` consults) finds the tuner and its
+    on/off state; it wraps no layer and names no adapter tensors of its own."""
+
+    adapter_layer_names = ()
+
+
 class ZoomKVTuner(BaseTuner):
     prefix = PREFIX
     tuner_layer_cls = ZoomKVLayer
@@ -207,7 +215,7 @@ class ZoomKVTuner(BaseTuner):
         if CONTAINER not in self._modules:
             # Created here, not in __init__: BaseTuner.__init__ resets the module (nn.Module.__init__) and
             # then calls inject_adapter.
-            self.zoomkv_modules = torch.nn.ModuleDict()
+            self.zoomkv_modules = ZoomKVModules()
         self.zoomkv_modules[adapter_name] = modules.to(device)
         if config.trainable_fraction is None and zoom.model_shape().num_parameters:
             trainable = sum(p.numel() for p in modules.parameters() if p.requires_grad)
@@ -228,9 +236,11 @@ class ZoomKVTuner(BaseTuner):
 
     def disable_adapter_layers(self) -> None:
         self._zoomkv_disabled = True  # generate() then adds no cache: plain attention
+        self.zoomkv_modules._disable_adapters = True  # what PEFT's status reads
 
     def enable_adapter_layers(self) -> None:
         self._zoomkv_disabled = False
+        self.zoomkv_modules._disable_adapters = False
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:

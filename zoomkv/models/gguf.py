@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from zoomkv.atomic import replace_folder
+from zoomkv.atomic import follow_umask_tree, replace_folder
 from zoomkv.errors import ModelNotFoundError, ZoomKVError
 from zoomkv.models.registry import ModelSpec
 from zoomkv.models.tokenizer import ensure_pad_token
@@ -258,6 +258,7 @@ def _build_cache(name: str, fingerprint: dict[str, Any], convert: Callable[[Path
         scratch.mkdir()
         logger.warning("converting %s from GGUF once (up to a minute); later loads read %s", name, target)
         convert(scratch, out)
+        follow_umask_tree(out)  # a shared cache is readable as the umask says, not 0600 as save_pretrained left it
         marker = {
             "fingerprint": fingerprint,
             "files": sorted(p.name for p in out.iterdir() if p.is_file()),

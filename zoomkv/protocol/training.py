@@ -51,6 +51,10 @@ class MethodTraining:
     recipe_class: ClassVar[type[RecipeOptions]] = RecipeOptions
     report_name: ClassVar[str] = "report"  # the run folder's <report_name>.json holds ``report`` before and after
     size_hint: ClassVar[str] = "make the modules smaller"  # what to change when they are over the size limit
+    # Hyper-parameters besides the method config's fields that an adapter config may carry (the modules'
+    # sizes); a key in neither is refused at load, so a misspelt one cannot be silently ignored. None: not
+    # checked (a training that does not declare them).
+    module_keys: ClassVar[tuple[str, ...] | None] = None
 
     # -- the modules --------------------------------------------------------------------------------------
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:

@@ -185,6 +185,8 @@ _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
 class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
     size_hint = "lower proj_dim/r_max, set share_projector=true"
+    module_keys = ("num_layers", "kv_heads", "head_dim", "proj_dim", "share_projector", "r_max", "init_seed",
+                   "max_trainable_fraction")
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
         return build_sekv_modules(shape, hyper)

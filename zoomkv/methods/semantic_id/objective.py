@@ -151,6 +151,7 @@ class SemanticIDTraining(MethodTraining):
     recipe_class = SemanticIDRecipe
     report_name = "pairs"  # collision rates of equivalent vs other pairs, before and after
     size_hint = "lower sem_dim/sem_hidden"
+    module_keys = ("sem_dim", "hidden")
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector:
         """One projector shared by every layer and KV head. The adapter's weights are the projector: a
