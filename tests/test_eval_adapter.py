@@ -24,7 +24,7 @@ from zoomkv.models import load_model
 def saved(tmp_path, tiny):
     adapter = ZoomAdapter.initialise(tiny[0], "sekv", {"max_trainable_fraction": 0.01}, budget=64, name="tiny-llama")
     with torch.no_grad():
-        adapter.modules.route_tau.add_(4.0)  # not the default init: the rows must come from these weights
+        adapter.modules.code_gain[:, :, :4].add_(2.0)  # not the default init: the rows must come from these weights
     return adapter, adapter.save_pretrained(tmp_path / "sekv-tiny")
 
 
@@ -62,7 +62,7 @@ def test_adapter_budget_defaults_to_its_own_and_weights_are_part_of_the_identity
     run_eval(_cfg(out, [str(folder)], methods=[], budgets=[], samples=1), *tiny)
     assert {r["budget"] for r in _rows(out) if r["method"].startswith("sekv:")} == {"64"}
     with torch.no_grad():
-        adapter.modules.route_tau.sub_(8.0)
+        adapter.modules.code_gain.sub_(1.0)
     adapter.save_pretrained(folder, overwrite=True)  # retrained in place: its rows are new rows
     run_eval(_cfg(out, [str(folder)], methods=[], budgets=[], samples=1), *tiny)
     assert len([r for r in _rows(out) if r["method"].startswith("sekv:")]) == 2

@@ -29,8 +29,8 @@ TINY_SEMANTIC = ROOT / "recipes" / "tiny-llama-semantic-id.yaml"
     ("threads=-2", "threads"), ("weight_decay=-1", "weight_decay"), ("grad_clip=.nan", "grad_clip"),
     ("grad_clip=-1", "grad_clip"), ("steps=0", "steps"), ("seed=-1", "seed"), ("recent=-1", "recent"),
     ("max_trainable_fraction=0", "max_trainable_fraction"), ("layers_per_step=-1", "layers_per_step"),
-    ("r_max=0", "r_max"), ("rho=1.5", "rho"), ("w_kl=.nan", "w_kl"), ("proj_lr=-1", "proj_lr"),
-    ("max_span=2", "max_span"), ("proj_dim=0", "proj_dim"),
+    ("code_bits=3", "code_bits"), ("anchor_fraction=1.5", "anchor_fraction"), ("w_rank=.nan", "w_rank"),
+    ("gain_lr=-1", "gain_lr"), ("rotation_seed=-1", "rotation_seed"), ("sinks=-1", "sinks"),
 ])
 def test_recipe_values_out_of_range_are_refused(override, key):
     with pytest.raises(ConfigError, match=rf"recipe key '{key}' must be"):
@@ -270,7 +270,7 @@ def test_every_peft_load_path_verifies_the_checksum(tmp_path, probe_method, llam
 
 def test_peft_loads_a_zoomkv_folder_after_just_import_zoomkv(tmp_path, llama):  # noqa: F811
     pytest.importorskip("peft")
-    folder = ZoomAdapter.initialise(llama[0], "sekv", {"proj_dim": 4, "share_projector": True, "r_max": 8},
+    folder = ZoomAdapter.initialise(llama[0], "sekv", {"code_bits": 1, "rotation_seed": 8},
                                     name="tiny-llama").save_pretrained(tmp_path / "sekv")
     script = textwrap.dedent("""
         import sys
@@ -291,21 +291,21 @@ def test_peft_loads_a_zoomkv_folder_after_just_import_zoomkv(tmp_path, llama):  
 
 
 def _sekv_folder(tmp_path: Path, model) -> Path:
-    adapter = ZoomAdapter.initialise(model, "sekv", {"proj_dim": 4, "share_projector": True, "r_max": 8},
+    adapter = ZoomAdapter.initialise(model, "sekv", {"code_bits": 1, "rotation_seed": 8},
                                      name="tiny-llama")
     return adapter.save_pretrained(tmp_path / "sekv")
 
 
-@pytest.mark.parametrize("r_max", [1e9, 2e7])
-def test_huge_sizes_in_an_adapter_config_are_refused_before_allocating(tmp_path, llama, r_max):  # noqa: F811
+@pytest.mark.parametrize("head_dim", [10**9, 2 * 10**7])
+def test_huge_sizes_in_an_adapter_config_are_refused_before_allocating(tmp_path, llama, head_dim):  # noqa: F811
     folder = _sekv_folder(tmp_path, llama[0])
     config = json.loads((folder / CONFIG_NAME).read_text())
-    _edit_config(folder, hyper={**config["hyper"], "r_max": r_max})
+    _edit_config(folder, shape={**config["shape"], "head_dim": head_dim})
     with pytest.raises(AdapterConfigError, match="refused before allocating"):
         ZoomAdapter.from_pretrained(folder)
     # With the base model's size forged too, the weights file's own shapes refuse it, still before allocating:
-    # measured in a fresh process, the load's peak memory stays far below the 1.3 GB r_max=2e7 would take.
-    _edit_config(folder, shape={**config["shape"], "num_parameters": 10**15})
+    # measured in a fresh process, the load's peak memory stays far below the 0.6 GB head_dim=2e7 would take.
+    _edit_config(folder, shape={**config["shape"], "head_dim": head_dim, "num_parameters": 10**15})
     script = textwrap.dedent("""
         import resource, sys
         from zoomkv.adapters.model import ZoomAdapter
@@ -321,7 +321,7 @@ def test_huge_sizes_in_an_adapter_config_are_refused_before_allocating(tmp_path,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     refused, grown_mb = done.stdout.strip().splitlines()[-2:]
-    assert refused.startswith("refused:") and "rank_gate: file (4, 2, 2, 8)" in refused, done.stdout
+    assert refused.startswith("refused:") and "code_gain: file (4, 2, 16)" in refused, done.stdout
     assert int(grown_mb) < 200, done.stdout
 
 
@@ -332,9 +332,9 @@ def test_bad_sizes_through_the_cli_and_peft(tmp_path, llama, capsys):  # noqa: F
     folder = _sekv_folder(tmp_path, llama[0])
     config = json.loads((folder / CONFIG_NAME).read_text())
     for hyper, shape, match in (
-        ({"r_max": "abc"}, {}, "'r_max' must be an integer >= 1"),
-        ({"proj_dim": -3}, {}, "'proj_dim' must be an integer >= 1"),
-        ({"r_mx": 8}, {}, "unknown hyper-parameter(s) ['r_mx']"),  # misspelt: never ignored silently
+        ({"rotation_seed": "abc"}, {}, "'rotation_seed' must be an integer in [0, 2147483647]"),
+        ({"code_bits": 3}, {}, "code_bits must be one of (1, 2, 4, 8)"),
+        ({"code_bit": 2}, {}, "unknown hyper-parameter(s) ['code_bit']"),  # misspelt: never ignored silently
         ({}, {"head_dim": "x"}, "head_dim must be an integer"),
         ({}, {"layer_types": 7}, "layer_types must be a list"),
     ):
@@ -347,9 +347,8 @@ def test_bad_sizes_through_the_cli_and_peft(tmp_path, llama, capsys):  # noqa: F
 
     from zoomkv.models import load_model
 
-    _edit_config(folder, hyper={**config["hyper"], "r_max": 2e7},
-                 shape={**config["shape"], "num_parameters": 10**15})
-    with pytest.raises(AdapterShapeError, match=r"rank_gate: file \(4, 2, 2, 8\)"):
+    _edit_config(folder, hyper=config["hyper"], shape={**config["shape"], "head_dim": 2 * 10**7, "num_parameters": 10**15})
+    with pytest.raises(AdapterShapeError, match=r"code_gain: file \(4, 2, 16\)"):
         PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
 
 

@@ -39,8 +39,8 @@ def test_recipe_errors_name_the_key_and_the_choices(tmp_path):
         load_recipe(TINY, ["lerning_rate=0.1"])
     with pytest.raises(ConfigError, match=r"'steps': expected int, got str"):
         load_recipe(TINY, ["steps=many"])
-    with pytest.raises(ConfigError, match=r"'proj_dim'.*one of \['auto'\]"):
-        load_recipe(TINY, ["proj_dim=big"])
+    with pytest.raises(ConfigError, match=r"'code_bits' must be one of \(1, 2, 4, 8\), got 3"):
+        load_recipe(TINY, ["code_bits=3"])
     with pytest.raises(ConfigError, match=r"'init_adapter': file or folder not found"):
         load_recipe(TINY, [f"init_adapter={tmp_path / 'missing'}"])
     with pytest.raises(ConfigError, match=r"'tasks'.*'poems'; valid: plain, passkey, kv, vartrack, aggregate"):
@@ -75,14 +75,13 @@ def test_every_real_model_recipe_is_under_the_trainable_limit(recipe, capsys):
 
 def test_oversized_adapter_is_refused(capsys):
     with pytest.raises(ConfigError, match="over max_trainable_fraction"):
-        dry_run(load_recipe(TINY, ["max_trainable_fraction=0.001", "proj_dim=8", "share_projector=false"]))
-    assert main(["--recipe", str(TINY), "--dry-run", "max_trainable_fraction=0.001", "proj_dim=8",
-                 "share_projector=false"]) == 2
+        dry_run(load_recipe(TINY, ["max_trainable_fraction=0.000001"]))
+    assert main(["--recipe", str(TINY), "--dry-run", "max_trainable_fraction=0.000001"]) == 2
     assert "over max_trainable_fraction" in capsys.readouterr().err
 
 
 def _loss_decreases(cache: Path) -> None:
-    """On one cached sample, every layer, the full objective (budget penalty fully ramped in)."""
+    """On one cached sample, every layer, the full objective."""
     import random
 
     from zoomkv.methods.sekv.modules import SeKVAdapter
@@ -91,7 +90,7 @@ def _loss_decreases(cache: Path) -> None:
     cfg = load_recipe(TINY)
     sample = load_sample(sorted(cache.glob("sample_*.safetensors"))[-1])
     layers = sample["layers"].tolist()
-    adapter = SeKVAdapter(len(layers), 2, 16, proj_dim=4, share_projector=True)
+    adapter = SeKVAdapter(len(layers), 2, 16)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.05)
     losses = []
     for _ in range(6):
@@ -126,7 +125,8 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert not torch.equal(a["route_tau"], torch.full_like(a["route_tau"], -7.0))  # it did train
+    assert not torch.equal(a["span_tau"], torch.full_like(a["span_tau"], 2.0))  # it did train
+    assert a["code_gain"].abs().sum() > 0
     # adapter-only: nothing the size of the base model was written
     ckpt = tmp_path / "a" / "sekv-tiny" / "checkpoints"
     assert all(f.stat().st_size < 200_000 for f in ckpt.rglob("*") if f.is_file())
@@ -164,7 +164,7 @@ def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
     from zoomkv.adapters.model import ZoomAdapter
 
     adapter = ZoomAdapter.from_pretrained(tmp_path / "sekv-tiny" / "adapter")
-    assert not torch.equal(adapter.modules.route_tau, torch.full_like(adapter.modules.route_tau, -7.0))
+    assert not torch.equal(adapter.modules.span_tau, torch.full_like(adapter.modules.span_tau, 2.0))
     assert (tmp_path / "sekv-tiny" / "checkpoints" / "step_000004" / "DONE").is_file()
     # one process with the same global batch (2 samples a step) ends with the same adapter, up to the
     # order of floating-point sums
@@ -189,37 +189,44 @@ def test_tensorboard_logs_the_losses(tmp_path):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
 
 
-def test_router_loss_prefers_the_ranking_of_the_teacher():
-    """The listwise router loss: lower when the router ranks first the span holding the teacher's mass, and
-    its gradient moves the projector towards that ranking."""
+def test_ranking_loss_prefers_the_ranking_of_the_teacher():
+    """The listwise ranking loss: lower when the gains weigh the code coordinates that rank first the row the
+    teacher reads, and its gradient reaches the gains, τ and the layer split."""
+    from zoomkv.methods.sekv.codes import rotation
     from zoomkv.methods.sekv.method import SeKVConfig
     from zoomkv.methods.sekv.modules import SeKVAdapter
     from zoomkv.methods.sekv.objective import position_losses
 
     g = torch.Generator().manual_seed(0)
-    h, t, d = 1, 160, 16
-    keys, values = torch.randn(h, t, d, generator=g) * 0.3, torch.randn(h, t, d, generator=g)
-    lo, hi = 74, 82  # one of the spans the layout cuts (148 region rows in 19 pieces)
-    keys[:, lo:hi, 0] += 2.0  # that span's keys share a direction no other span has
-    query = torch.randn(2, d, generator=g)
-    teacher = torch.full((2, t), 0.1 / (t - 8))
-    teacher[:, lo:hi] = 0.9 / 8  # the teacher reads that span
+    h, t, d, target = 1, 160, 16, 77
+    rot = rotation(d, SeKVAdapter(1, h, d).rotation_seed_of(0))
+    q_rot = torch.randn(2, d, generator=g)
+    x = torch.randn(h, t, d, generator=g)
+    # in the rotated code space the target row agrees with the query on the first half of the coordinates
+    # and disagrees on the second half
+    sign = torch.sign(q_rot.mean(0))
+    x[:, target] = 2.0 * torch.cat([sign[: d // 2], -sign[d // 2:]])
+    keys = x @ rot.T
+    query = q_rot @ rot.T
+    teacher = torch.full((2, t), 0.1 / (t - 1))
+    teacher[:, target] = 0.9
     teacher = teacher / teacher.sum(-1, keepdim=True)
     cfg = SeKVConfig(anchor_fraction=0.0)
-    args = (keys, values, query, teacher, torch.ones(t), t - 1, d**-0.5, 40, cfg, 0.9)
+    values = torch.randn(h, t, d, generator=g)
+    args = (keys, values, query, teacher, torch.ones(t), t - 1, d**-0.5, 40, cfg)
 
-    def route_loss(direction: float) -> torch.Tensor:
-        adapter = SeKVAdapter(1, h, d, proj_dim=d, share_projector=True)
-        with torch.no_grad():  # router = q·k + (Aq)·(Bk): (Aq)·(Bk) = c·(q·q̄)·k[0], large on that span only
-            adapter.proj_a.copy_(torch.eye(d)[None])
-            e0 = torch.zeros(d)
-            e0[0] = 1.0
-            q_bar = query.mean(0)
-            adapter.proj_b.copy_(direction * 10 * torch.outer(q_bar, e0)[None] / q_bar.norm() ** 2)
-        return position_losses(adapter, 0, *args).route
+    def rank_loss(first_half: bool) -> torch.Tensor:
+        adapter = SeKVAdapter(1, h, d)
+        with torch.no_grad():
+            off = slice(d // 2, d) if first_half else slice(0, d // 2)
+            adapter.code_gain[0, :, off] = -5.0
+        return position_losses(adapter, 0, *args).rank
 
-    assert route_loss(+1.0) < route_loss(0.0) < route_loss(-1.0)
-    adapter = SeKVAdapter(1, h, d, proj_dim=4, share_projector=True)
-    loss = position_losses(adapter, 0, *args).route
-    loss.backward()
-    assert adapter.proj_b.grad is not None and adapter.proj_b.grad.abs().sum() > 0
+    assert rank_loss(True) < position_losses(SeKVAdapter(1, h, d), 0, *args).rank < rank_loss(False)
+    adapter = SeKVAdapter(2, h, d)
+    s = torch.rand(t, generator=g) * 3
+    losses = position_losses(adapter, 0, keys, values, query, teacher, s, t - 1, d**-0.5, 40, SeKVConfig())
+    (losses.rank + losses.anchor + losses.split + losses.out).backward()
+    assert adapter.code_gain.grad[0].abs().sum() > 0
+    assert adapter.span_tau.grad[0] != 0 and adapter.layer_logit.grad.abs().sum() > 0
+    assert adapter.summary_bias.grad[0].abs().sum() > 0

@@ -18,7 +18,7 @@ import torch
 from zoomkv.protocol.method import PrefillContext, Selection
 
 
-def init_tail(memory, ctx: PrefillContext) -> None:
+def init_tail(memory, ctx: PrefillContext, prefix: str = "tail") -> None:
     keys, values = ctx.keys.float(), ctx.values.float()
     if ctx.valid is not None:
         w = ctx.valid[:, None, :, None].to(keys.device, keys.dtype)
@@ -26,21 +26,23 @@ def init_tail(memory, ctx: PrefillContext) -> None:
         count = ctx.valid.sum(-1).to(keys.dtype)[:, None, None].expand(-1, keys.shape[1], 1).clone()
     else:
         count = torch.full((keys.shape[0], keys.shape[1], 1), float(keys.shape[2]), device=keys.device)
-    memory.device_tier["tail_key_sum"] = keys.sum(2, keepdim=True)
-    memory.device_tier["tail_value_sum"] = values.sum(2, keepdim=True)
-    memory.device_tier["tail_count"] = count
+    memory.device_tier[f"{prefix}_key_sum"] = keys.sum(2, keepdim=True)
+    memory.device_tier[f"{prefix}_value_sum"] = values.sum(2, keepdim=True)
+    memory.device_tier[f"{prefix}_count"] = count
 
 
-def append_tail(memory, key: torch.Tensor, value: torch.Tensor) -> None:
+def append_tail(memory, key: torch.Tensor, value: torch.Tensor, prefix: str = "tail") -> None:
     tier = memory.device_tier
-    tier["tail_key_sum"] += key.float().sum(2, keepdim=True)
-    tier["tail_value_sum"] += value.float().sum(2, keepdim=True)
-    tier["tail_count"] += key.shape[2]
+    tier[f"{prefix}_key_sum"] += key.float().sum(2, keepdim=True)
+    tier[f"{prefix}_value_sum"] += value.float().sum(2, keepdim=True)
+    tier[f"{prefix}_count"] += key.shape[2]
 
 
-def with_tail(memory, sel: Selection) -> Selection:
+def with_tail(memory, sel: Selection, prefix: str = "tail", offset: torch.Tensor | None = None) -> Selection:
     """``sel`` plus the tail row. Selected rows must be original rows or means of originals whose bias is
-    ``log(count)`` (merged rows), so the rest's sums are the totals minus what the selection covers."""
+    ``log(count)`` (merged rows), so the rest's sums are the totals minus what the selection covers.
+    ``prefix``: whose running sums (a method keeping its own summary row names its own); ``offset``
+    (``[kv_heads]``, a trained method's) is added to the row's ``log(count)`` bias."""
     tier = memory.device_tier
     keys, values = sel.keys.float(), sel.values.float()
     if sel.bias is not None:
@@ -49,13 +51,16 @@ def with_tail(memory, sel: Selection) -> Selection:
         keys, values = keys * weight, values * weight
         chosen = weight.sum(2)  # [b, h, 1]
     else:
-        chosen = torch.full_like(tier["tail_count"], float(keys.shape[2]))
-    rest = tier["tail_count"] - chosen
+        chosen = torch.full_like(tier[f"{prefix}_count"], float(keys.shape[2]))
+    rest = tier[f"{prefix}_count"] - chosen
     denom = rest.clamp_min(1.0)[..., None]
-    mean_k = (tier["tail_key_sum"] - keys.sum(2, keepdim=True)) / denom
-    mean_v = (tier["tail_value_sum"] - values.sum(2, keepdim=True)) / denom
+    mean_k = (tier[f"{prefix}_key_sum"] - keys.sum(2, keepdim=True)) / denom
+    mean_v = (tier[f"{prefix}_value_sum"] - values.sum(2, keepdim=True)) / denom
     # No row left out → the tail row must weigh nothing (keeps budgets ≥ context exactly full attention).
-    tail_bias = torch.where(rest > 0.5, rest.clamp_min(1.0).log(), torch.full_like(rest, -math.inf))
+    log_rest = rest.clamp_min(1.0).log()
+    if offset is not None:
+        log_rest = log_rest + offset.to(log_rest)[None, :, None]
+    tail_bias = torch.where(rest > 0.5, log_rest, torch.full_like(rest, -math.inf))
     dtype = sel.keys.dtype
     bias = sel.bias if sel.bias is not None else torch.zeros(sel.keys.shape[:3], dtype=dtype, device=sel.keys.device)
     return Selection(

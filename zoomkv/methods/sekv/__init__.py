@@ -1,4 +1,4 @@
-"""``sekv``: the trained zoom-in method — the method (``method.py``), its span layout (``layout.py``), its
+"""``sekv``: the trained zoom-in method — the method (``method.py``), its key codes (``codes.py``), its
 trainable modules (``modules.py``) and its training objective (``objective.py``)."""
 
 from zoomkv.methods.sekv.method import SeKV, SeKVConfig

@@ -1,13 +1,24 @@
-"""sekv's training: its recipe keys, its modules' start, and the objective against the teacher.
+"""sekv's training: its recipe keys, and the objective of its modules against the full-KV teacher.
 
-The differentiable student: sekv's decode step at one query position, relaxed so every trainable part
-gets a gradient, and the losses against the teacher.
+At a cached query position ``t`` of one layer the student is inference's router on the causal prefix
+(``t + 1`` rows): the prefix's keys coded exactly as inference codes them (its mean, the layer's rotation,
+``code_bits``, anchors at ``anchor_bits``), scored against the query through the trained gains. Three
+losses, each for one module:
 
-The span layout is cut by the very functions inference uses (``segment_row``, ``build_spans``) on the
-causal prefix only, so the student at position t never sees a span built from tokens after t. The forward
-pass is inference's decode step (greedy zoom within the zoom rows, hard rank gates); the backward pass
-goes through straight-through sigmoid relaxations: a span's summary is weighted by ``1 - z`` and its
-reconstructed rows by ``z`` in one softmax, rank components by their gate.
+- **ranking** (the semantic projector's gains): per query head, the cross-entropy of the router's softmax
+  over the rows it chooses among (not the sinks and recent rows, always attended) against the teacher's
+  attention over the same rows, weighted by the teacher mass there. The selection recalls the rows with
+  the most estimated mass, so a router whose softmax matches the teacher's recalls the teacher's rows;
+- **anchors** (the entropy thresholds τ): which rows get the finer code is a hard choice at inference;
+  here its forward pass is that choice and its backward pass the sigmoid ``σ(4(z - τ))`` of each row's
+  surprisal z-score, so the ranking loss tells τ where finer codes pay, against ``w_anchor`` times the
+  share of rows made anchors (what they cost in device bytes);
+- **layer split** (``layer_logit``): each layer's budget ``B·share_l`` is continuous here; the teacher
+  mass the layer's selection would capture at that many rows (the router's order, linearly interpolated)
+  enters as ``-log(mass)``, so rows move to the layers that lose most without them (the total stays L·B);
+- **output** (the summary row's bias): the selection inference makes (the router's best rows at the
+  layer's budget) attended exactly beside the summary row, whose logit carries ``log(count) + bias``; the
+  relative squared error of that output against the teacher's attention output.
 """
 
 from __future__ import annotations
@@ -17,165 +28,174 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from zoomkv.methods.sekv.layout import build_spans, reconstruct, segment_row
-from zoomkv.methods.sekv.method import SeKV, SeKVConfig, greedy_zoom, plan_budget, stored_rank
-from zoomkv.methods.sekv.modules import SeKVAdapter, build_sekv_modules
+from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
+from zoomkv.methods.sekv.method import SeKV, SeKVConfig
+from zoomkv.methods.sekv.modules import MAX_SEED, SeKVAdapter, build_sekv_modules
+from zoomkv.protocol.method import check_hyperparameters
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample, finite_at_least
+
+ANCHOR_SHARPNESS = 4.0
+
+
+@dataclass
+class Student:
+    """The router's view of one prefix at one layer: decoded row estimates and which rows are anchors."""
+
+    coarse: torch.Tensor  # [h, n, d] decoded base codes (rotated, centred)
+    fine: torch.Tensor  # [h, n, d] decoded anchor codes
+    anchor: torch.Tensor  # [n] 0/1 in the forward pass, the sigmoid's gradient in the backward pass
+    soft_anchor: torch.Tensor  # [n] the sigmoid itself
+
+
+def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surprisal: torch.Tensor, n: int,
+                   cfg: SeKVConfig) -> Student:
+    h, _, d = keys.shape
+    k = keys[:, :n].float()
+    rot = rotation(d, adapter.rotation_seed_of(layer), k.device)
+    x = torch.matmul(k - k.mean(1, keepdim=True), rot)
+    with torch.no_grad():
+        coarse = decode(*encode(x, cfg.code_bits), cfg.code_bits)
+        fine = decode(*encode(x, cfg.anchor_bits), cfg.anchor_bits)
+    s = surprisal[:n].float()
+    z = (s - s.mean()) / s.std(unbiased=False).clamp_min(1e-6)
+    tau = adapter.span_tau[layer]
+    soft = torch.sigmoid(ANCHOR_SHARPNESS * (z - tau))
+    region = torch.zeros(n, dtype=torch.bool)
+    region[cfg.sinks: max(cfg.sinks, n - cfg.recent)] = True
+    with torch.no_grad():  # inference's choice: above the threshold, in the region, the most surprising first
+        above = region & (z > tau.detach())
+        most = int(cfg.anchor_fraction * n)
+        hard = torch.zeros(n)
+        if most > 0 and bool(above.any()):
+            top = z.masked_fill(~above, float("-inf")).topk(min(most, int(above.sum()))).indices
+            hard[top] = 1.0
+    anchor = hard + (soft - soft.detach()) * region
+    return Student(coarse, fine, anchor, soft * region)
+
+
+def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """``query`` ``[hq, d]`` → ``[h, g, n]`` estimated logits of every prefix row."""
+    h, n, d = student.coarse.shape
+    rot = rotation(d, adapter.rotation_seed_of(layer), query.device)
+    q = torch.matmul(query.float().view(h, -1, d), rot) * adapter.gains(layer)[:, None, :]
+    a = student.anchor[None, :, None]
+    rows = a * student.fine + (1 - a) * student.coarse  # [h, n, d]
+    return torch.matmul(q, rows.transpose(-1, -2)) * scaling
+
+
+def captured_mass(teacher: torch.Tensor, order_scores: torch.Tensor, rows: torch.Tensor,
+                  region: torch.Tensor) -> torch.Tensor:
+    """Teacher mass (``[h, g, n]``, mean over a group's heads) on the always-attended rows plus the best
+    ``rows`` (a differentiable scalar) of ``region`` by the vote ``order_scores`` ``[h, n]``."""
+    a = teacher.mean(1)  # [h, n]
+    fixed = (a * ~region).sum(-1)  # sinks and recent rows
+    ranked = order_scores.masked_fill(~region, float("-inf")).argsort(-1, descending=True)
+    cum = torch.cat([torch.zeros(a.shape[0], 1), torch.gather(a, -1, ranked).cumsum(-1)], -1)  # [h, n + 1]
+    most = int(region.sum())
+    r = rows.clamp(0, most)
+    lo = r.detach().floor().long().clamp(max=most)
+    hi = (lo + 1).clamp(max=most)
+    frac = r - lo
+    got = cum.gather(-1, lo.expand(a.shape[0], 1))[:, 0] * (1 - frac) + cum.gather(-1, hi.expand(a.shape[0], 1))[:, 0] * frac
+    return (fixed + got).mean()
+
+
+def summary_output(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                   chosen: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[h, g, dv]``: attention over the ``chosen`` rows (``[h, n]`` bool) exactly, and one summary row
+    (the mean of the rest, ``log(count) + summary_bias``) for everything else."""
+    h, n, d = keys.shape
+    q = query.float().view(h, -1, d)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # [h, g, n]
+    rest = (~chosen).float()
+    count = rest.sum(-1)  # [h]
+    mean_k = (rest[..., None] * keys).sum(1) / count.clamp_min(1)[:, None]
+    mean_v = (rest[..., None] * values).sum(1) / count.clamp_min(1)[:, None]
+    tail = torch.matmul(q, mean_k[..., None])[..., 0] * scaling + count.clamp_min(1).log()[:, None]
+    tail = tail + adapter.summary_bias[layer][:, None]
+    tail = torch.where(count[:, None] > 0, tail, torch.full_like(tail, float("-inf")))
+    w = torch.softmax(torch.cat([logits.masked_fill(~chosen[:, None], float("-inf")), tail[..., None]], -1), -1)
+    return torch.matmul(w[..., :n], values) + w[..., n:] * mean_v[:, None]
 
 
 @dataclass
 class Losses:
-    kl: torch.Tensor
-    out: torch.Tensor
-    zoom: torch.Tensor
-    route: torch.Tensor
+    rank: torch.Tensor
     anchor: torch.Tensor
-    budget: torch.Tensor
+    split: torch.Tensor
+    out: torch.Tensor
+    kept: torch.Tensor  # (logged) teacher mass the selection captures at the layer's budget
 
 
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                     teacher: torch.Tensor, surprisal: torch.Tensor, t: int, scaling: float, budget: int,
-                    cfg: SeKVConfig, rho: float) -> Losses | None:
-    """Losses at query position ``t`` of one layer. ``keys``/``values`` ``[h, T, d]`` (float32), ``query``
-    ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities; None when the prefix fits the budget
-    (then sekv keeps everything exact and there is nothing to learn)."""
+                    cfg: SeKVConfig) -> Losses | None:
+    """Losses at query position ``t`` of adapter layer ``layer``: ``keys``/``values`` ``[h, T, d]``,
+    ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities. None when the prefix fits the
+    budget (every row is attended: nothing to learn)."""
     n = t + 1
-    if n <= budget:
+    always = cfg.sinks + cfg.recent
+    if n <= budget - 1 or n <= always + 1:
         return None
-    h, _, d = keys.shape
-    g = query.shape[0] // h
-    zoom_rows, room = plan_budget(budget, cfg)
-    s = surprisal[:n]
-    with torch.no_grad():  # the layout is discrete: cut it (with the current threshold) as inference would
-        lay = segment_row(s, 0, n - cfg.recent, float(adapter.span_tau[layer]), sinks=cfg.sinks,
-                          min_span=cfg.min_span, max_span=cfg.max_span, room=room)
-        if not lay.spans:
-            return None
-        sp = build_spans(keys[None, :, :n], values[None, :, :n], s[None], [lay.spans], stored_rank(adapter, cfg))
-    exact = torch.tensor(lay.exact + list(range(n - cfg.recent, n)), dtype=torch.long)
-    count = sp.count[0]  # [S]
-    log_n = count.log()
-    q = query.view(h, g, d)
-    ke, ve = keys[:, exact], values[:, exact]
-    sum_k, sum_v = sp.sum_keys[0], sp.sum_values[0]
-    exact_logits = torch.matmul(q, ke.transpose(-1, -2)) * scaling  # [h, g, E]
-    sum_logits = torch.matmul(q, sum_k.transpose(-1, -2)) * scaling + log_n  # [h, g, S]
-    lse = torch.logsumexp(torch.cat([exact_logits, sum_logits], -1), -1, keepdim=True).detach()
-    routed = adapter.router_scores(layer, q, sum_k) * scaling + log_n
-    route = (routed - lse).amax(1) - adapter.route_tau[layer][:, None]  # [h, S]
-    # Straight-through: the forward pass takes inference's hard choices (greedy zoom within the zoom rows,
-    # rank components with logit > 0), the backward pass their sigmoid relaxations.
-    z_soft = torch.sigmoid(route)
-    z = greedy_zoom(route.detach(), count.expand(h, -1), zoom_rows).float() + z_soft - z_soft.detach()
-    gate_logits = adapter.rank_gate[layer][..., : sp.coef_k.shape[-1]]  # [h, 2, r]: ranks a span can have
-    g_soft = torch.sigmoid(gate_logits)
-    gates = (gate_logits > 0).float() + g_soft - g_soft.detach()
-    rec_k = reconstruct(sp.coef_k[0], sp.basis_k[0], gates[:, None, 0])  # [h, S, P, d]
-    rec_v = reconstruct(sp.coef_v[0], sp.basis_v[0], gates[:, None, 1])
-    size = rec_k.shape[2]
-    live = torch.arange(size)[None, :] < count[:, None]  # [S, P]
-    rec_logits = torch.einsum("hgd,hspd->hgsp", q, rec_k) * scaling
-    rec_logits = rec_logits.masked_fill(~live[None, None], float("-inf"))
-    # One softmax, with a span's summary weighted by (1 - z) and its rows by z: in probability space (not as
-    # log-biases) so that z = 0 or 1 still passes a gradient.
-    top = torch.cat([exact_logits, sum_logits, rec_logits.flatten(-2)], -1).amax(-1, keepdim=True).detach()
-    w_exact = torch.exp(exact_logits - top)
-    w_sum = torch.exp(sum_logits - top) * (1 - z)[:, None]
-    w_rec = torch.exp(rec_logits - top[..., None]) * z[:, None, :, None]
-    total = w_exact.sum(-1, keepdim=True) + w_sum.sum(-1, keepdim=True) + w_rec.sum((-1, -2))[..., None]
-    p_exact, p_sum, p_rec = w_exact / total, w_sum / total, w_rec / total[..., None]
-    n_spans = sum_k.shape[1]
-    out = (torch.matmul(p_exact, ve) + torch.matmul(p_sum, sum_v) + torch.einsum("hgsp,hspd->hgd", p_rec, rec_v))
-    # Teacher, in the same units: each exact row, and each span's total mass.
-    a = teacher[:, :n].view(h, g, n)
-    span_id = torch.full((n,), -1, dtype=torch.long)
-    for j, (lo, hi) in enumerate(lay.spans):
-        span_id[lo:hi] = j
-    in_span = span_id >= 0
-    t_span = torch.zeros(h, g, n_spans).index_add_(2, span_id[in_span], a[..., in_span])
-    t_units = torch.cat([a[..., exact], t_span], -1)
-    s_units = torch.cat([p_exact, p_sum + p_rec.sum(-1)], -1)
-    kl = (t_units * (t_units.clamp_min(1e-9).log() - s_units.clamp_min(1e-9).log())).sum(-1).mean()
-    t_out = torch.matmul(a, values[:, :n])
-    out_loss = ((out - t_out) ** 2).sum(-1).div(t_out.pow(2).sum(-1) + 1e-6).mean()
-    # Zoom supervision: per KV head, the fewest spans covering rho of the teacher's span mass.
-    mass = t_span.sum(1)  # [h, S]
-    order = mass.argsort(-1, descending=True)
-    sorted_mass = torch.gather(mass, -1, order)
-    cum = sorted_mass.cumsum(-1) / sorted_mass.sum(-1, keepdim=True).clamp_min(1e-9)
-    need = torch.cat([torch.ones(h, 1, dtype=torch.bool), cum[:, :-1] < rho], -1)
-    target = torch.zeros_like(mass).scatter(-1, order, need.float())
-    pos = target.sum().clamp_min(1)
-    weight = torch.where(target > 0, (target.numel() - pos) / pos, torch.ones_like(target))
-    zoom = F.binary_cross_entropy_with_logits(route, target, weight=weight)
-    # The router's ranking (what the greedy zoom consumes within the buffer): per query head, the router's
-    # softmax over spans against the teacher's distribution of span mass (listwise cross-entropy), weighted
-    # by how much of that head's attention lies in spans at all.
-    span_total = t_span.sum(-1, keepdim=True)  # [h, g, 1]
-    t_dist = t_span / span_total.clamp_min(1e-9)
-    ce = -(t_dist * torch.log_softmax(routed, -1)).sum(-1)  # [h, g]
-    route_loss = (ce * span_total[..., 0]).sum() / span_total.sum().clamp_min(1e-9)
-    # The anchor threshold (discrete above) learns from a surrogate: tokens receiving the teacher's top 2%
-    # of attention inside the compressible region should sit above mean + tau * std.
-    region = slice(cfg.sinks, n - cfg.recent)
-    received = a.mean((0, 1))[region]
-    zs = (s - s.mean()) / s.std(unbiased=False).clamp_min(1e-6)
-    label = (received >= torch.quantile(received, 0.98)).float()
-    anchor = F.binary_cross_entropy_with_logits((zs[region] - adapter.span_tau[layer]) * 2.0, label)
-    expected_rows = (z_soft * count).sum(-1)
-    budget_pen = F.relu(expected_rows - zoom_rows).div(max(zoom_rows, 1)).mean()
-    return Losses(kl, out_loss, zoom, route_loss, anchor, budget_pen)
-
-
-def rank_regulariser(adapter: SeKVAdapter) -> torch.Tensor:
-    """Keep only the rank components the losses ask for: later components cost more."""
-    r = adapter.r_max
-    cost = torch.arange(1, r + 1, dtype=torch.float32) / r
-    return (torch.sigmoid(adapter.rank_gate) * cost).mean()
-
-
-def ramp(step: int, ramp_steps: int) -> float:
-    return 1.0 if ramp_steps <= 0 else min(1.0, step / ramp_steps)
-
+    h = keys.shape[0]
+    student = prefix_student(adapter, layer, keys, surprisal, n, cfg)
+    logits = router_logits(adapter, layer, student, query, scaling)  # [h, g, n]
+    g = logits.shape[1]
+    a = teacher[:, :n].float().view(h, g, n)
+    region = torch.zeros(n, dtype=torch.bool)
+    region[cfg.sinks: n - cfg.recent] = True
+    mass = (a * region).sum(-1)  # [h, g]: the teacher's mass where the router chooses
+    target = (a * region) / mass[..., None].clamp_min(1e-9)
+    logp = torch.log_softmax(logits.masked_fill(~region, float("-inf")), -1).masked_fill(~region, 0.0)
+    ce = -(target * logp).sum(-1)
+    rank = (ce * mass).sum() / mass.sum().clamp_min(1e-9)
+    anchor = student.soft_anchor.sum() / max(1, int(region.sum()))
+    share = adapter.layer_shares()[layer]
+    rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
+    vote = torch.softmax(logits.detach(), -1).sum(1)  # [h, n]
+    kept = captured_mass(a, vote, rows, region)
+    split = -torch.log(kept.clamp_min(1e-6))
+    out = torch.zeros(())
+    if cfg.summary_row:
+        with torch.no_grad():  # inference's selection at the layer's (integer) budget
+            k = max(0, min(int(region.sum()), round(float(rows))))
+            chosen = ~region.expand(h, -1).clone()
+            if k:
+                top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
+                chosen.scatter_(-1, top, True)
+        v = values[:, :n].float()
+        student_out = summary_output(adapter, layer, keys[:, :n].float(), v, query, chosen, scaling)
+        teacher_out = torch.matmul(a, v)
+        out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
+    return Losses(rank, anchor, split, out, kept.detach())
 
 
 @dataclass
 class SeKVRecipe(RecipeOptions):
     """sekv's own recipe keys (the generic ones, budget and recent among them, are the trainer's)."""
 
-    proj_dim: int | str = "auto"  # semantic projector width; "auto" sizes it under max_trainable_fraction
-    share_projector: bool | str = "auto"
-    r_max: int = 32
-    # sekv's inference hyper-parameters, used to cut spans exactly as inference does (recent: the trainer's)
     sinks: int = 4
-    chunk: int = 8
-    min_span: int = 4
-    max_span: int = 8
-    anchor_fraction: float = 0.1
-    proj_lr: float = 0.001  # the semantic projector: it rescales logits, so it moves much more gently
-    rho: float = 0.9  # zoom supervision: the smallest span set covering rho of the teacher's span mass
-    w_kl: float = 1.0
-    w_out: float = 1.0
-    w_zoom: float = 0.5
-    w_route: float = 0.5  # listwise: the router's ranking of spans vs the teacher's span mass
-    w_anchor: float = 0.1
-    w_rank: float = 0.01
-    w_budget: float = 0.1
-    budget_ramp_steps: int = 50
-
-    choices = {"proj_dim": ("auto",), "share_projector": ("auto",)}
+    code_bits: int = 1
+    anchor_bits: int = 4
+    anchor_fraction: float = 0.05
+    summary_row: bool = True
+    rotation_seed: int = 0
+    gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
+    w_rank: float = 1.0
+    w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
+    w_split: float = 0.1
+    w_out: float = 1.0  # the summary row's bias: the output against the teacher's
 
     def __post_init__(self) -> None:
-        self.require("proj_dim", self.proj_dim == "auto" or self.proj_dim >= 1, '>= 1 or "auto"')
-        for key, low in (("r_max", 1), ("sinks", 0), ("chunk", 1), ("min_span", 1), ("budget_ramp_steps", 0)):
-            self.require(key, getattr(self, key) >= low, f">= {low}")
-        self.require("max_span", self.max_span >= self.min_span, f">= min_span ({self.min_span})")
+        self.require("sinks", self.sinks >= 0, ">= 0")
+        self.require("rotation_seed", 0 <= self.rotation_seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
+        for key in ("code_bits", "anchor_bits"):
+            self.require(key, getattr(self, key) in BITS, f"one of {BITS}")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
-        self.require("rho", 0 < self.rho <= 1, "in (0, 1]")
-        for key in ("proj_lr", "w_kl", "w_out", "w_zoom", "w_route", "w_anchor", "w_rank", "w_budget"):
+        for key in ("gain_lr", "w_rank", "w_anchor", "w_split", "w_out"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
@@ -184,18 +204,20 @@ _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
 
 class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
-    size_hint = "lower proj_dim/r_max, set share_projector=true"
-    module_keys = ("num_layers", "kv_heads", "head_dim", "proj_dim", "share_projector", "r_max", "init_seed",
-                   "max_trainable_fraction")
+    size_hint = "sekv's modules are sized by the model (layers x KV heads x head_dim): nothing to lower"
+    module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "max_trainable_fraction")
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
+        # The method settings an adapter records are checked here too, so a bad one is refused at load
+        # (naming the key), not when the method first runs.
+        settings = {k: hyper[k] for k in _METHOD_KEYS if k in hyper}
+        check_hyperparameters(SeKVConfig, settings, "sekv")
+        SeKVConfig(**settings)
         return build_sekv_modules(shape, hyper)
 
     def init_modules(self, recipe: Any, shape: ModelShape) -> SeKVAdapter:
-        o = recipe.options
-        return build_sekv_modules(shape, {"proj_dim": o.proj_dim, "share_projector": o.share_projector,
-                                          "r_max": o.r_max, "max_trainable_fraction": recipe.max_trainable_fraction,
-                                          "init_seed": recipe.seed})
+        return build_sekv_modules(shape, {"rotation_seed": recipe.options.rotation_seed,
+                                          "max_trainable_fraction": recipe.max_trainable_fraction})
 
     def method_config(self, recipe: Any) -> SeKVConfig:
         return SeKVConfig(**self._method_kwargs(recipe))
@@ -205,39 +227,78 @@ class SeKVTraining(MethodTraining):
         return {k: recipe.recent if k == "recent" else getattr(o, k) for k in _METHOD_KEYS}
 
     def hyper(self, modules: SeKVAdapter, recipe: Any) -> dict[str, Any]:
-        return {**self._method_kwargs(recipe), **modules.hyper(), "init_seed": recipe.seed}
+        return {**self._method_kwargs(recipe), **modules.hyper()}
 
     def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
-        projector = [p for n, p in modules.named_parameters() if n.startswith("proj_")]
-        others = [p for n, p in modules.named_parameters() if not n.startswith("proj_")]
-        return [{"params": others, "lr": recipe.lr}, {"params": projector, "lr": recipe.options.proj_lr}]
+        return [{"params": [modules.code_gain], "lr": recipe.options.gain_lr},
+                {"params": [modules.span_tau, modules.layer_logit, modules.summary_bias], "lr": recipe.lr}]
 
     def step_loss(self, modules: SeKVAdapter, sample: Sample, layers: list[int], recipe: Any, step: int,
                   rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
         o, mcfg = recipe.options, self.method_config(recipe)
         all_layers = sample["layers"].tolist()
         scaling = float(sample["scaling"])
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "out", "zoom", "route", "anchor", "budget")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("rank", "anchor", "split", "out", "kept")}
         for layer in layers:
-            pos_in_adapter = all_layers.index(layer)
+            pos = all_layers.index(layer)
             keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
             for p, t in enumerate(sample["positions"].tolist()):
-                losses = position_losses(modules, pos_in_adapter, keys, values, sample[f"q.{layer}"][:, p],
+                losses = position_losses(modules, pos, keys, values, sample[f"q.{layer}"][:, p],
                                          sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
-                                         recipe.budget, mcfg, o.rho)
+                                         recipe.budget, mcfg)
                 if losses is not None:
                     for k in parts:
                         parts[k].append(getattr(losses, k))
-        if not parts["kl"]:
+        if not parts["rank"]:
             zero = sum(p.sum() * 0 for p in modules.parameters())
             return zero, {}
         mean = {k: torch.stack(v).mean() for k, v in parts.items()}
-        rank = rank_regulariser(modules)
-        loss = (o.w_kl * mean["kl"] + o.w_out * mean["out"] + o.w_zoom * mean["zoom"] + o.w_route * mean["route"]
-                + o.w_anchor * mean["anchor"] + o.w_rank * rank
-                + o.w_budget * ramp(step, o.budget_ramp_steps) * mean["budget"])
-        logs = {k: v.item() for k, v in mean.items()} | {"rank": rank.item(), "loss": loss.item()}
+        loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
+                + o.w_out * mean["out"])
+        logs = {k: v.item() for k, v in mean.items()} | {"loss": loss.item()}
         return loss, logs
+
+    def report(self, modules: SeKVAdapter, recipe: Any, samples: list[Sample]) -> dict[str, Any] | None:
+        """On held-out cached samples: per layer, the teacher mass the router's selection captures at the
+        layer's budget, beside exact top-B's (the selection's upper bound), and the anchors' share."""
+        mcfg = self.method_config(recipe)
+        kept: dict[int, list[float]] = {}
+        oracle: dict[int, list[float]] = {}
+        anchors: list[float] = []
+        with torch.no_grad():
+            for sample in samples:
+                scaling = float(sample["scaling"])
+                for pos, layer in enumerate(sample["layers"].tolist()):
+                    keys = sample[f"k.{layer}"].float()
+                    for p, t in enumerate(sample["positions"].tolist()):
+                        n = t + 1
+                        if n <= recipe.budget - 1:
+                            continue
+                        a = sample[f"attn.{layer}"][:, p].float()
+                        student = prefix_student(modules, pos, keys, sample["surprisal"], n, mcfg)
+                        logits = router_logits(modules, pos, student, sample[f"q.{layer}"][:, p], scaling)
+                        h, g = logits.shape[:2]
+                        at = a[:, :n].view(h, g, n)
+                        region = torch.zeros(n, dtype=torch.bool)
+                        region[mcfg.sinks: n - mcfg.recent] = True
+                        rows = torch.tensor(recipe.budget * float(modules.layer_shares()[pos]) - 1
+                                            - mcfg.sinks - mcfg.recent)
+                        kept.setdefault(pos, []).append(float(captured_mass(at, torch.softmax(logits, -1).sum(1),
+                                                                            rows, region)))
+                        oracle.setdefault(pos, []).append(float(captured_mass(at, at.sum(1), rows, region)))
+                        anchors.append(float(student.anchor.sum()) / max(1, int(region.sum())))
+        if not kept:
+            return None
+        per_layer = {str(p): {"kept": round(sum(v) / len(v), 4), "oracle": round(sum(oracle[p]) / len(oracle[p]), 4)}
+                     for p, v in sorted(kept.items())}
+        flat = [x for v in kept.values() for x in v]
+        flat_o = [x for v in oracle.values() for x in v]
+        return {"kept_mass": round(sum(flat) / len(flat), 4), "oracle_mass": round(sum(flat_o) / len(flat_o), 4),
+                "anchor_share": round(sum(anchors) / len(anchors), 4), "layers": per_layer,
+                "tau": [round(float(x), 3) for x in modules.span_tau],
+                "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares()],
+                "gain_spread": round(float(modules.code_gain.std()), 4)}
 
     def make_method(self, modules: SeKVAdapter | None, recipe: Any) -> SeKV:
         return SeKV(adapter=modules, **self._method_kwargs(recipe))
+
