@@ -64,7 +64,7 @@ def test_small_budget_never_exceeded(tiny, name, fixtures):
         if not method.dense_layer(memory.layer_idx, n):
             cap = method.layer_budget(memory.layer_idx, n, budget, cache.zoom_layer_indices)
             assert method.device_rows(memory) <= cap
-            assert sel.kv_rows <= cap  # sekv's span summaries are its index (bytes), not KV rows
+            assert sel.keys.shape[2] <= cap  # every attended row counts, summary rows included
             checked.append(memory.layer_idx)
         return sel
 

@@ -66,21 +66,13 @@ class Selection:
 
     ``bias`` is added to each row's logit (``-inf`` hides a row, ``log n`` lets one summary row stand
     for n). ``use_model_mask`` says the rows are exactly the sequence in order, so the model's own
-    attention mask applies as is (only ``full`` does this). ``index_rows`` of the rows are a method's
-    index rather than KV rows (sekv's span summaries, each standing for a whole span, like Quest's page
-    bounds): counted in the device tier's bytes, not in the budget of KV rows.
+    attention mask applies as is (only ``full`` does this).
     """
 
     keys: torch.Tensor  # [batch, kv_heads, k, head_dim] on the device tier
     values: torch.Tensor
     bias: torch.Tensor | None = None  # [batch, kv_heads, k]
     use_model_mask: bool = False
-    index_rows: int = 0
-
-    @property
-    def kv_rows(self) -> int:
-        """Rows attended that count against the budget."""
-        return self.keys.shape[2] - self.index_rows
 
 
 @dataclass
