@@ -281,3 +281,32 @@ def test_adapter_by_module_or_folder(config, tmp_path):
     assert torch.equal(fresh.gains(0), torch.ones(H, D))
     assert math.isclose(float(fresh.span_tau[0].detach()), 2.0)
     assert torch.equal(fresh.layer_shares(), torch.ones(4))
+
+
+def test_the_second_stage_rescores_candidates_with_the_host_tiers_finer_codes(config):
+    """Rows whose one-bit codes tie (same signs, same RMS) are told apart by their 4-bit codes: the row
+    holding its energy where the query points is recalled only with the second stage."""
+    t, target = 200, 100
+    rot = rotation(D, 0)  # a fresh method's rotation of layer 0
+    x = torch.full((t, D), 1.0)
+    x[target] = 0.0
+    x[target, :4] = 2.0  # same signs as every row, unit RMS, its energy on the first four coordinates
+    x[target, 4:] = 1e-3
+    x[1::2] = -x[0::2]  # each row's opposite: the mean key is zero, centring changes nothing
+    keys = (x @ rot.T).expand(1, H, t, D).contiguous()
+    values = torch.randn(1, H, t, D, generator=torch.Generator().manual_seed(3))
+    q_rot = torch.zeros(D)
+    q_rot[:4] = 3.0
+    q_rot[4:] = 0.1
+    query = (q_rot @ rot.T).expand(1, H * G, 1, D).contiguous()
+    budget = 4 + 16 + 2 + 1  # sinks, recent, two recalled rows, the summary row
+    two = SeKV(anchor_fraction=0.0)
+    memory = _memory(config, two, keys, values, torch.zeros(1, t), budget=budget)
+    assert memory.host_tier["fine_codes"].view().shape == (1, H, t, D * 4 // 8)
+    assert memory.device_tier["cand_codes"].shape[2] == math.ceil(4.0 * (budget - 1))
+    recalled = two.select(memory, query).keys[0, :, : budget - 1]
+    assert all(bool((recalled[h] == keys[0, h, target]).all(-1).any()) for h in range(H))
+    one = SeKV(anchor_fraction=0.0, rescore_bits=0)
+    memory = _memory(config, one, keys, values, torch.zeros(1, t), budget=budget)
+    scores = one.router_scores(memory, query)[0, 0, 0]
+    assert torch.allclose(scores[0::2], scores[target])  # one bit cannot tell the target from any even row

@@ -72,6 +72,13 @@ class SeKVConfig(MethodConfig):
     summary_row: bool = field(
         default=True, metadata={"help": "one row (the mean of what is not recalled) stands for the rest"}
     )
+    rescore_bits: int = field(
+        default=4, metadata={"help": "bits of the host tier's finer codes the router rescores its candidates with "
+                                     "(1, 2, 4 or 8; 0: one stage)"}
+    )
+    candidates: float = field(
+        default=4.0, metadata={"help": "candidates per recalled row the first stage passes to the rescoring"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
@@ -82,6 +89,10 @@ class SeKVConfig(MethodConfig):
                 raise ConfigError(f"{name} must be one of {BITS}, got {getattr(self, name)}")
         if not 0 <= self.anchor_fraction <= 1:
             raise ConfigError(f"anchor_fraction must be in [0, 1], got {self.anchor_fraction}")
+        if self.rescore_bits not in (0, *BITS):
+            raise ConfigError(f"rescore_bits must be 0 or one of {BITS}, got {self.rescore_bits}")
+        if not 1 <= self.candidates <= 64:
+            raise ConfigError(f"candidates must be in [1, 64], got {self.candidates}")
 
 
 def split_budget(total: int, shares: Sequence[float], low: int) -> list[int]:
@@ -224,6 +235,14 @@ class SeKV(RecallableMethod):
         first = valid.float().argmax(1, keepdim=True)
         dev["sink_pos"] = (first + torch.arange(c.sinks, device=keys.device)).clamp_max(t - 1)
         memory.meta.update(budget=budget, scaling=ctx.scaling, layer=layer)
+        if c.rescore_bits:
+            # The finer codes live on the host tier beside the rows; a step copies only its candidates' codes
+            # into a fixed device buffer (counted in the device tier's bytes).
+            fine, fine_rms = encode(rotated, c.rescore_bits)
+            memory.host_tier["fine_codes"], memory.host_tier["fine_rms"] = memory.host_rows(fine), memory.host_rows(fine_rms)
+            m = self._candidates(budget)
+            dev["cand_codes"] = torch.zeros(b, h, m, fine.shape[-1], dtype=torch.uint8, device=keys.device)
+            dev["cand_rms"] = torch.zeros(b, h, m, 1, dtype=torch.float16, device=keys.device)
         if c.summary_row:
             init_tail(memory, ctx, prefix=TAIL)
         reserve_recall_buffer(memory, min(budget - c.summary_row, t))
@@ -233,30 +252,59 @@ class SeKV(RecallableMethod):
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
         append_host_rows(memory, key, value)
         dev = memory.device_tier
-        codes, rms = encode(torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"]), self.config.code_bits)
+        rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
+        codes, rms = encode(rotated, self.config.code_bits)
         dev["codes"].append(codes)
         dev["code_rms"].append(rms)
+        if self.config.rescore_bits:
+            fine, fine_rms = encode(rotated, self.config.rescore_bits)
+            memory.host_tier["fine_codes"].append(fine)
+            memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
             append_tail(memory, key, value, prefix=TAIL)
 
     def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.append(memory, keys, values)  # one code per row, all at once: the same as one by one
 
-    def router_scores(self, memory, query: torch.Tensor) -> torch.Tensor:
-        """``[b, h, g·q, n]``: each query head's estimated logit of every row, from the codes alone."""
+    def _candidates(self, budget: int) -> int:
+        return math.ceil(self.config.candidates * (budget - self.config.summary_row))
+
+    def rotated_query(self, memory, query: torch.Tensor) -> torch.Tensor:
+        """``[b, h, g·q, d]``: the query in the codes' rotated coordinates, weighted by the trained gains."""
         dev = memory.device_tier
         h = dev["code_mean"].shape[1]
         q = group_query(query, h).float()
-        d = q.shape[-1]
-        qr = torch.matmul(q, dev["code_rotation"]) * self._gains(memory.meta["layer"], h, d, q.device)[None, :, None]
+        return torch.matmul(q, dev["code_rotation"]) * self._gains(memory.meta["layer"], h, q.shape[-1], q.device)[
+            None, :, None]
+
+    def router_scores(self, memory, query: torch.Tensor) -> torch.Tensor:
+        """``[b, h, g·q, n]``: each query head's estimated logit of every row, from the device codes alone."""
+        dev = memory.device_tier
+        h = dev["code_mean"].shape[1]
+        qr = self.rotated_query(memory, query)
         scores = score_codes(qr, dev["codes"].view(), dev["code_rms"].view(), self.config.code_bits)
         if "anchor_pos" in dev:
             pos = dev["anchor_pos"]  # [b, A], -1 where a row has fewer anchors
             fine = score_codes(qr, dev["anchor_codes"], dev["anchor_rms"], self.config.anchor_bits)
-            at = pos.clamp_min(0)[:, None, None, :].expand(-1, h, q.shape[2], -1)
+            at = pos.clamp_min(0)[:, None, None, :].expand(-1, h, qr.shape[2], -1)
             fine = torch.where(pos[:, None, None, :] >= 0, fine, scores.gather(-1, at))
             scores = scores.scatter(-1, at, fine)
         return scores * memory.meta["scaling"]
+
+    def _rescore(self, memory, query: torch.Tensor, cand: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tensor:
+        """Stage two: the candidates' finer codes, copied from the host tier, pick the ``k`` rows recalled
+        (rows the first stage forced, sinks and recent ones, stay forced; padding stays out)."""
+        dev, host = memory.device_tier, memory.host_tier
+        m = cand.shape[-1]
+        codes, rms = dev["cand_codes"][:, :, :m], dev["cand_rms"][:, :, :m]
+        at = cand.to(host["fine_codes"].data.device)[..., None]
+        fine = host["fine_codes"].view()
+        codes.copy_(fine.gather(2, at.expand(-1, -1, -1, fine.shape[-1])), non_blocking=True)
+        rms.copy_(host["fine_rms"].view().gather(2, at), non_blocking=True)
+        logits = score_codes(self.rotated_query(memory, query), codes, rms, self.config.rescore_bits)
+        vote = torch.softmax(logits * memory.meta["scaling"], -1).sum(2)
+        vote = torch.where(torch.isinf(first), first, vote)
+        return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()
@@ -278,7 +326,11 @@ class SeKV(RecallableMethod):
                 vote[..., max(0, n - c.recent):] = float("inf")
             if valid is not None:
                 vote = vote.masked_fill(~valid, float("-inf"))
-            idx = vote.topk(k, dim=-1).indices.sort(dim=-1).values  # sequence order
+            m = min(n, self._candidates(memory.meta["budget"])) if c.rescore_bits else k
+            idx = vote.topk(m, dim=-1).indices
+            if m > k:
+                idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
+            idx = idx.sort(dim=-1).values  # sequence order
         rk, rv = recall_rows(memory, keys, values, idx)
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))
         if not self.config.summary_row:

@@ -23,6 +23,7 @@ losses, each for one module:
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, fields
 from typing import Any
@@ -47,6 +48,7 @@ class Student:
     fine: torch.Tensor  # [h, n, d] decoded anchor codes
     anchor: torch.Tensor  # [n] 0/1 in the forward pass, the sigmoid's gradient in the backward pass
     soft_anchor: torch.Tensor  # [n] the sigmoid itself
+    rescored: torch.Tensor | None  # [h, n, d] decoded host-tier codes of the second stage (None: one stage)
 
 
 def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surprisal: torch.Tensor, n: int,
@@ -58,6 +60,10 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     with torch.no_grad():
         coarse = decode(*encode(x, cfg.code_bits), cfg.code_bits)
         fine = decode(*encode(x, cfg.anchor_bits), cfg.anchor_bits)
+        rescored = None
+        if cfg.rescore_bits:
+            rescored = fine if cfg.rescore_bits == cfg.anchor_bits else decode(*encode(x, cfg.rescore_bits),
+                                                                               cfg.rescore_bits)
     s = surprisal[:n].float()
     z = (s - s.mean()) / s.std(unbiased=False).clamp_min(1e-6)
     tau = adapter.span_tau[layer]
@@ -72,18 +78,39 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
             top = z.masked_fill(~above, float("-inf")).topk(min(most, int(above.sum()))).indices
             hard[top] = 1.0
     anchor = hard + (soft - soft.detach()) * region
-    return Student(coarse, fine, anchor, soft * region)
+    return Student(coarse, fine, anchor, soft * region, rescored)
 
 
 def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    """``query`` ``[hq, d]`` → ``[h, g, n]`` estimated logits of every prefix row."""
+                  scaling: float, stage: int = 1) -> torch.Tensor:
+    """``query`` ``[hq, d]`` → ``[h, g, n]`` estimated logits of every prefix row: from the device codes
+    (``stage`` 1) or from the host tier's finer codes (``stage`` 2, the rescoring)."""
     h, n, d = student.coarse.shape
     rot = rotation(d, adapter.rotation_seed_of(layer), query.device)
     q = torch.matmul(query.float().view(h, -1, d), rot) * adapter.gains(layer)[:, None, :]
-    a = student.anchor[None, :, None]
-    rows = a * student.fine + (1 - a) * student.coarse  # [h, n, d]
+    if stage == 2:
+        rows = student.rescored
+    else:
+        a = student.anchor[None, :, None]
+        rows = a * student.fine + (1 - a) * student.coarse  # [h, n, d]
     return torch.matmul(q, rows.transpose(-1, -2)) * scaling
+
+
+def selection_order(adapter: SeKVAdapter, layer: int, student: Student, query: torch.Tensor, scaling: float,
+                    logits: torch.Tensor, region: torch.Tensor, rows: int, cfg: SeKVConfig) -> torch.Tensor:
+    """``[h, n]``: an order of the region's rows that puts first what inference recalls for ``rows`` rows:
+    the first stage's vote, and with a second stage its candidates first, in the rescored vote's order."""
+    vote = torch.softmax(logits.detach(), -1).sum(1)
+    if student.rescored is None:
+        return vote
+    always = cfg.sinks + cfg.recent  # inference's candidates include the rows it always attends
+    m = min(int(region.sum()), math.ceil(cfg.candidates * (rows + always)) - always)
+    if m <= 0:
+        return vote
+    cand = vote.masked_fill(~region, float("-inf")).topk(m, -1).indices
+    fine = torch.softmax(router_logits(adapter, layer, student, query, scaling, stage=2).detach()
+                         .masked_fill(~region, float("-inf")), -1).sum(1)
+    return vote.scatter(-1, cand, 10.0 + fine.gather(-1, cand))
 
 
 def captured_mass(teacher: torch.Tensor, order_scores: torch.Tensor, rows: torch.Tensor,
@@ -149,13 +176,19 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     region[cfg.sinks: n - cfg.recent] = True
     mass = (a * region).sum(-1)  # [h, g]: the teacher's mass where the router chooses
     target = (a * region) / mass[..., None].clamp_min(1e-9)
-    logp = torch.log_softmax(logits.masked_fill(~region, float("-inf")), -1).masked_fill(~region, 0.0)
-    ce = -(target * logp).sum(-1)
-    rank = (ce * mass).sum() / mass.sum().clamp_min(1e-9)
+    def ranking(est: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(est.masked_fill(~region, float("-inf")), -1).masked_fill(~region, 0.0)
+        ce = -(target * logp).sum(-1)
+        return (ce * mass).sum() / mass.sum().clamp_min(1e-9)
+
+    rank = ranking(logits)
+    if student.rescored is not None:  # the gains serve both stages
+        rank = (rank + ranking(router_logits(adapter, layer, student, query, scaling, stage=2))) / 2
     anchor = student.soft_anchor.sum() / max(1, int(region.sum()))
     share = adapter.layer_shares()[layer]
     rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
-    vote = torch.softmax(logits.detach(), -1).sum(1)  # [h, n]
+    vote = selection_order(adapter, layer, student, query, scaling, logits, region,
+                           max(1, round(float(rows))), cfg)  # [h, n]
     kept = captured_mass(a, vote, rows, region)
     split = -torch.log(kept.clamp_min(1e-6))
     out = torch.zeros(())
@@ -182,6 +215,8 @@ class SeKVRecipe(RecipeOptions):
     anchor_bits: int = 4
     anchor_fraction: float = 0.05
     summary_row: bool = True
+    rescore_bits: int = 4
+    candidates: float = 4.0
     rotation_seed: int = 0
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
@@ -194,6 +229,8 @@ class SeKVRecipe(RecipeOptions):
         self.require("rotation_seed", 0 <= self.rotation_seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         for key in ("code_bits", "anchor_bits"):
             self.require(key, getattr(self, key) in BITS, f"one of {BITS}")
+        self.require("rescore_bits", self.rescore_bits in (0, *BITS), f"0 or one of {BITS}")
+        self.require("candidates", 1 <= self.candidates <= 64, "in [1, 64]")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
         for key in ("gain_lr", "w_rank", "w_anchor", "w_split", "w_out"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
@@ -283,8 +320,9 @@ class SeKVTraining(MethodTraining):
                         region[mcfg.sinks: n - mcfg.recent] = True
                         rows = torch.tensor(recipe.budget * float(modules.layer_shares()[pos]) - 1
                                             - mcfg.sinks - mcfg.recent)
-                        kept.setdefault(pos, []).append(float(captured_mass(at, torch.softmax(logits, -1).sum(1),
-                                                                            rows, region)))
+                        order = selection_order(modules, pos, student, sample[f"q.{layer}"][:, p], scaling, logits,
+                                                region, max(1, round(float(rows))), mcfg)
+                        kept.setdefault(pos, []).append(float(captured_mass(at, order, rows, region)))
                         oracle.setdefault(pos, []).append(float(captured_mass(at, at.sum(1), rows, region)))
                         anchors.append(float(student.anchor.sum()) / max(1, int(region.sum())))
         if not kept:
