@@ -212,14 +212,19 @@ def generate_methods(
         inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens,
                                 device=model.device)
         results = _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk,
-                                       diagnose)
+                                       diagnose, keep_caches)
     else:
         results = _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos,
-                                  prefill_chunk, max_len, diagnose, focus if diagnose else None)
-    if not keep_caches:
-        for r in results:
-            r.cache = r.sequence = None
+                                  prefill_chunk, max_len, diagnose, focus if diagnose else None, keep_caches)
     return results
+
+
+def _release(result: GenerationResult, keep_caches: bool) -> GenerationResult:
+    """Drop the result's cache as soon as its numbers are read, unless asked to keep it: otherwise every
+    method's whole cache (the host tier holds all KV) stays alive until the last method of the prompt ran."""
+    if not keep_caches:
+        result.cache = result.sequence = None
+    return result
 
 
 def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None,
@@ -273,7 +278,7 @@ def _result(tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, new: torch.Tens
 
 def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
                          max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
-                         diagnose: bool = False) -> list[GenerationResult]:
+                         diagnose: bool = False, keep_caches: bool = False) -> list[GenerationResult]:
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     eos = tokenizer.eos_token_id
     record = None if prefill_chunk else record_prefill(model, ids, mask)
@@ -297,7 +302,8 @@ def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Ten
                 new, stamps = first, []
             elapsed = time.perf_counter() - start
             decode_ms = elapsed / len(stamps) * 1000 if stamps else 0.0
-        results.append(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos))
+        results.append(_release(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos), keep_caches))
+        del cache
     return results
 
 
@@ -328,7 +334,7 @@ def _occurrences(text: str, s: str) -> list[int]:
 def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
                     max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
                     max_len: int, diagnose: bool = False,
-                    focus: list[list[str]] | None = None) -> list[GenerationResult]:
+                    focus: list[list[str]] | None = None, keep_caches: bool = False) -> list[GenerationResult]:
     if len(contexts) != len(texts):
         raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
     rests = []
@@ -374,7 +380,8 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
         start = time.perf_counter()
         new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
         decode_ms = _step_ms(stamps)  # the first stamp ends the question's pass through the compressed cache
-        results.append(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos))
+        results.append(_release(_result(tokenizer, cache, ids, new, prefill_s, decode_ms, stop_at_eos), keep_caches))
+        del cache
     return results
 
 
