@@ -310,3 +310,32 @@ def test_the_second_stage_rescores_candidates_with_the_host_tiers_finer_codes(co
     memory = _memory(config, one, keys, values, torch.zeros(1, t), budget=budget)
     scores = one.router_scores(memory, query)[0, 0, 0]
     assert torch.allclose(scores[0::2], scores[target])  # one bit cannot tell the target from any even row
+
+
+def test_rank_gates_keep_the_host_rows_in_their_principal_directions(config):
+    keys, values, query = _pointed_keys(t=200, target=70)
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, 6:] = -1.0  # keys: the first 6 of 16 principal directions; values: all
+    method = SeKV(adapter=adapter)
+    memory = _memory(config, method, keys, values, torch.zeros(1, 200), budget=40)
+    host = memory.host_tier
+    assert host["keys"].view().shape == (1, H, 200, 6) and host["values"].view().shape == (1, H, 200, D)
+    full = _memory(config, SeKV(), keys, values, torch.zeros(1, 200), budget=40)
+    assert memory.host_bytes < full.host_bytes
+    # a recalled key is its best approximation in those 6 directions (centred): the rank-6 PCA of the keys
+    sel = method.select(memory, query)
+    centred = keys[0] - keys[0].mean(1, keepdim=True)
+    _, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    best = centred @ vh[:, :6].transpose(-1, -2) @ vh[:, :6] + keys[0].mean(1, keepdim=True)  # [H, 200, D]
+    recalled = sel.keys[0, :, :39]
+    for h in range(H):
+        dist = torch.cdist(recalled[h], best[h], compute_mode="donot_use_mm_for_euclid_dist")
+        assert float(dist.min(-1).values.max()) < 1e-4
+    # rows generated later are projected onto the same directions; values stay exact
+    method.append(memory, keys[:, :, :1] * 2, values[:, :, :1])
+    assert host["keys"].view().shape[2] == 201
+    assert torch.equal(host["values"].view()[:, :, 200:], values[:, :, :1])
+    # a context that fits the budget stays exact whatever the gates (B >= context is full attention)
+    small = _memory(config, method, keys[:, :, :30], values[:, :, :30], torch.zeros(1, 30), budget=40)
+    assert small.host_tier["keys"].view().shape == (1, H, 30, D)

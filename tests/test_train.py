@@ -230,3 +230,4 @@ def test_ranking_loss_prefers_the_ranking_of_the_teacher():
     assert adapter.code_gain.grad[0].abs().sum() > 0
     assert adapter.span_tau.grad[0] != 0 and adapter.layer_logit.grad.abs().sum() > 0
     assert adapter.summary_bias.grad[0].abs().sum() > 0
+    assert adapter.rank_gate.grad[0].abs().sum() > 0  # the rank gates learn from the output error

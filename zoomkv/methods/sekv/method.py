@@ -42,6 +42,7 @@ from zoomkv.errors import ConfigError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv.codes import BITS, encode, rotation, score_codes
+from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
 from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
 from zoomkv.protocol.recallable import (
@@ -213,12 +214,11 @@ class SeKV(RecallableMethod):
         layer = self._layer_pos(ctx)
         b, h, t, d = ctx.keys.shape
         budget = self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget, ctx.zoom_layers)
-        store_host_rows(memory, ctx)
         valid = ctx.valid if ctx.valid is not None else torch.ones(b, t, dtype=torch.bool, device=ctx.keys.device)
         dev = memory.device_tier
         keys = ctx.keys.float()
-        w = valid[:, None, :, None].float()
-        mean = (keys * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp_min(1)
+        mean = masked_mean(keys, valid)
+        self._store_host(memory, ctx, layer, mean, valid, compressed=t > budget - c.summary_row)
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
         rotated = torch.matmul(keys - mean, rot)
@@ -247,10 +247,77 @@ class SeKV(RecallableMethod):
             init_tail(memory, ctx, prefix=TAIL)
         reserve_recall_buffer(memory, min(budget - c.summary_row, t))
 
+    def _kept_directions(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The principal directions the adapter's rank gates keep for keys and values (None: every one)."""
+        if self.adapter is None:
+            return None, None
+        keep = (self.adapter.rank_gate[layer] > 0).detach().cpu()
+        return tuple(None if bool(k.all()) else k for k in keep)  # type: ignore[return-value]
+
+    def _store_host(self, memory, ctx: PrefillContext, layer: int, key_mean: torch.Tensor, valid: torch.Tensor,
+                    compressed: bool) -> None:
+        """Every row on the host tier: as it is, or (rank gates that drop directions, on a context that is
+        compressed) its coordinates along the directions kept, the directions on the device tier."""
+        keep_k, keep_v = self._kept_directions(layer)
+        quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
+        memory.meta["low_rank"] = {}
+        if not compressed or quantized or (keep_k is None and keep_v is None):
+            # while the context fits the budget every row stays exact (B >= context is full attention); with
+            # --kv-quant the rows are quantized instead
+            store_host_rows(memory, ctx)
+            return
+        host, dev = memory.host_tier, memory.device_tier
+        for name, rows, mean, keep in (("keys", ctx.keys, key_mean, keep_k),
+                                       ("values", ctx.values, None, keep_v)):
+            if keep is None:
+                host[name] = memory.host_rows(rows)
+                continue
+            mean = masked_mean(rows.float(), valid) if mean is None else mean
+            directions = principal_directions(rows.float() - mean, valid)[:, :, keep.to(rows.device)]
+            dev[f"{name}_directions"], dev[f"{name}_mean"] = directions, mean
+            host[name] = memory.host_rows(project(rows, mean, directions).to(rows.dtype))
+            memory.meta["low_rank"][name] = True
+        if ctx.valid is not None:
+            host["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+
+    def _host_rows(self, memory, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """What the host tier stores of new rows ``rows``: the rows, or their coordinates."""
+        if not memory.meta["low_rank"].get(name):
+            return rows
+        dev = memory.device_tier
+        return project(rows, dev[f"{name}_mean"], dev[f"{name}_directions"]).to(rows.dtype)
+
+    def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = memory.host_tier["keys"].view(), memory.host_tier["values"].view()
+        if not memory.meta["low_rank"]:
+            return recall_rows(memory, keys, values, idx)
+        dev = memory.device_tier
+        k = keys.shape[2] if idx is None else idx.shape[2]
+        reserve_recall_buffer(memory, k)
+        out = []
+        for name, rows in (("keys", keys), ("values", values)):
+            if idx is not None:
+                at = idx.to(rows.device)[..., None]
+                rows = rows.gather(2, at.expand(-1, -1, -1, rows.shape[-1]))
+            rows = rows.to(dev["recall_keys"].device, non_blocking=True)
+            if memory.meta["low_rank"].get(name):
+                rows = reconstruct(rows, dev[f"{name}_mean"], dev[f"{name}_directions"])
+            buf = dev[f"recall_{name}"][:, :, :k]
+            buf.copy_(rows)
+            out.append(buf)
+        return out[0], out[1]
+
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        append_host_rows(memory, key, value)
+        if memory.meta["low_rank"]:
+            host = memory.host_tier
+            host["keys"].append(self._host_rows(memory, "keys", key))
+            host["values"].append(self._host_rows(memory, "values", value))
+            if "valid" in host:
+                host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
+        else:
+            append_host_rows(memory, key, value)
         dev = memory.device_tier
         rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
         codes, rms = encode(rotated, self.config.code_bits)
@@ -331,7 +398,7 @@ class SeKV(RecallableMethod):
             if m > k:
                 idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
             idx = idx.sort(dim=-1).values  # sequence order
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv = self._recall(memory, idx)
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))
         if not self.config.summary_row:
             return sel

@@ -11,7 +11,9 @@ Per compressed (full-attention) layer ``l`` and KV head ``h``:
 - ``layer_logit[l]``: the layer's share of the rows, ``L·B·softmax(layer_logit)`` (the total stays
   ``L·B``, as PyramidKV's); init 0 (every layer B);
 - ``summary_bias[l, h]``: added to the summary row's ``log(count)`` logit bias, so the one row standing for
-  everything not recalled weighs what the teacher's rest weighs; init 0 (the plain softmax tail).
+  everything not recalled weighs what the teacher's rest weighs; init 0 (the plain softmax tail);
+- ``rank_gate[l, 0 | 1, j]``: the rank budget of the host tier — whether the layer keeps its keys' (0) or
+  values' (1) j-th principal direction (logit > 0; ``host.py``); init +3 (every direction: exact rows).
 
 Layers are indexed by their position among the model's full-attention layers (``ModelShape.full_attention_layers``).
 """
@@ -40,6 +42,7 @@ class SeKVAdapter(nn.Module):
         self.span_tau = nn.Parameter(torch.full((num_layers,), INIT_TAU))
         self.layer_logit = nn.Parameter(torch.zeros(num_layers))
         self.summary_bias = nn.Parameter(torch.zeros(num_layers, kv_heads))
+        self.rank_gate = nn.Parameter(torch.full((num_layers, 2, head_dim), 3.0))
 
     def hyper(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
@@ -59,7 +62,7 @@ class SeKVAdapter(nn.Module):
 
 
 def param_count(n_layers: int, kv_heads: int, head_dim: int) -> int:
-    return n_layers * kv_heads * (head_dim + 1) + 2 * n_layers
+    return n_layers * kv_heads * (head_dim + 1) + 2 * n_layers + 2 * n_layers * head_dim
 
 
 def hyper_int(hyper: dict[str, Any], key: str, default: Any, low: int, high: int) -> Any:

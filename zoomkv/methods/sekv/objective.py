@@ -16,9 +16,12 @@ losses, each for one module:
 - **layer split** (``layer_logit``): each layer's budget ``B·share_l`` is continuous here; the teacher
   mass the layer's selection would capture at that many rows (the router's order, linearly interpolated)
   enters as ``-log(mass)``, so rows move to the layers that lose most without them (the total stays L·B);
-- **output** (the summary row's bias): the selection inference makes (the router's best rows at the
-  layer's budget) attended exactly beside the summary row, whose logit carries ``log(count) + bias``; the
-  relative squared error of that output against the teacher's attention output.
+- **output** (the summary row's bias, the rank gates): the selection inference makes (the router's best
+  rows at the layer's budget), as the host tier gives them back under the rank gates (the rows in the kept
+  principal directions; straight-through), attended beside the summary row, whose logit carries
+  ``log(count) + bias``; the relative squared error of that output against the teacher's attention output;
+- **rank budget**: ``w_host`` times how far the share of principal directions kept exceeds
+  ``host_rank_target`` (1: no cut), so the gates choose which directions of which layer go.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
+from zoomkv.methods.sekv.host import truncated
 from zoomkv.methods.sekv.method import SeKV, SeKVConfig
 from zoomkv.methods.sekv.modules import MAX_SEED, SeKVAdapter, build_sekv_modules
 from zoomkv.protocol.method import check_hyperparameters
@@ -131,21 +135,35 @@ def captured_mass(teacher: torch.Tensor, order_scores: torch.Tensor, rows: torch
 
 
 def summary_output(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
-                   chosen: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``[h, g, dv]``: attention over the ``chosen`` rows (``[h, n]`` bool) exactly, and one summary row
-    (the mean of the rest, ``log(count) + summary_bias``) for everything else."""
+                   chosen: torch.Tensor, scaling: float, stored: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   summary: bool = True) -> torch.Tensor:
+    """``[h, g, dv]``: attention over the ``chosen`` rows (``[h, n]`` bool) — as the host tier gives them
+    back (``stored``: the rows under the rank budget; None: exact) — and, with ``summary``, one row for the
+    rest: the exact totals less the chosen rows, their mean at ``log(count) + summary_bias``, as inference
+    computes it."""
     h, n, d = keys.shape
+    rk, rv = stored if stored is not None else (keys, values)
     q = query.float().view(h, -1, d)
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # [h, g, n]
-    rest = (~chosen).float()
-    count = rest.sum(-1)  # [h]
-    mean_k = (rest[..., None] * keys).sum(1) / count.clamp_min(1)[:, None]
-    mean_v = (rest[..., None] * values).sum(1) / count.clamp_min(1)[:, None]
+    logits = torch.matmul(q, rk.transpose(-1, -2)) * scaling  # [h, g, n]
+    logits = logits.masked_fill(~chosen[:, None], float("-inf"))
+    if not summary:
+        return torch.matmul(torch.softmax(logits, -1), rv)
+    sel = chosen.float()[..., None]
+    count = (~chosen).float().sum(-1)  # [h]
+    mean_k = (keys.sum(1) - (sel * rk).sum(1)) / count.clamp_min(1)[:, None]
+    mean_v = (values.sum(1) - (sel * rv).sum(1)) / count.clamp_min(1)[:, None]
     tail = torch.matmul(q, mean_k[..., None])[..., 0] * scaling + count.clamp_min(1).log()[:, None]
     tail = tail + adapter.summary_bias[layer][:, None]
     tail = torch.where(count[:, None] > 0, tail, torch.full_like(tail, float("-inf")))
-    w = torch.softmax(torch.cat([logits.masked_fill(~chosen[:, None], float("-inf")), tail[..., None]], -1), -1)
-    return torch.matmul(w[..., :n], values) + w[..., n:] * mean_v[:, None]
+    w = torch.softmax(torch.cat([logits, tail[..., None]], -1), -1)
+    return torch.matmul(w[..., :n], rv) + w[..., n:] * mean_v[:, None]
+
+
+def rank_gates(adapter: SeKVAdapter, layer: int) -> torch.Tensor:
+    """``[2, d]``: the layer's rank gates, 1/0 forward (a direction kept when its logit > 0), sigmoid backward."""
+    logits = adapter.rank_gate[layer]
+    soft = torch.sigmoid(logits)
+    return (logits > 0).float() + soft - soft.detach()
 
 
 @dataclass
@@ -191,18 +209,18 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
                            max(1, round(float(rows))), cfg)  # [h, n]
     kept = captured_mass(a, vote, rows, region)
     split = -torch.log(kept.clamp_min(1e-6))
-    out = torch.zeros(())
-    if cfg.summary_row:
-        with torch.no_grad():  # inference's selection at the layer's (integer) budget
-            k = max(0, min(int(region.sum()), round(float(rows))))
-            chosen = ~region.expand(h, -1).clone()
-            if k:
-                top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
-                chosen.scatter_(-1, top, True)
-        v = values[:, :n].float()
-        student_out = summary_output(adapter, layer, keys[:, :n].float(), v, query, chosen, scaling)
-        teacher_out = torch.matmul(a, v)
-        out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
+    with torch.no_grad():  # inference's selection at the layer's (integer) budget
+        k = max(0, min(int(region.sum()), round(float(rows))))
+        chosen = ~region.expand(h, -1).clone()
+        if k:
+            top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
+            chosen.scatter_(-1, top, True)
+    kx, v = keys[:, :n].float(), values[:, :n].float()
+    gates = rank_gates(adapter, layer)
+    stored = (truncated(kx, gates[0]), truncated(v, gates[1]))
+    student_out = summary_output(adapter, layer, kx, v, query, chosen, scaling, stored, summary=cfg.summary_row)
+    teacher_out = torch.matmul(a, v)
+    out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
     return Losses(rank, anchor, split, out, kept.detach())
 
 
@@ -222,7 +240,10 @@ class SeKVRecipe(RecipeOptions):
     w_rank: float = 1.0
     w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
     w_split: float = 0.1
-    w_out: float = 1.0  # the summary row's bias: the output against the teacher's
+    w_out: float = 1.0  # the summary row's bias and the rank gates: the output against the teacher's
+    # the rank budget of the host tier: the share of principal directions the gates may keep (1: no cut)
+    host_rank_target: float = 1.0
+    w_host: float = 1.0  # weight of the hinge above host_rank_target
 
     def __post_init__(self) -> None:
         self.require("sinks", self.sinks >= 0, ">= 0")
@@ -232,7 +253,8 @@ class SeKVRecipe(RecipeOptions):
         self.require("rescore_bits", self.rescore_bits in (0, *BITS), f"0 or one of {BITS}")
         self.require("candidates", 1 <= self.candidates <= 64, "in [1, 64]")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
-        for key in ("gain_lr", "w_rank", "w_anchor", "w_split", "w_out"):
+        self.require("host_rank_target", 0 < self.host_rank_target <= 1, "in (0, 1]")
+        for key in ("gain_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
@@ -267,8 +289,12 @@ class SeKVTraining(MethodTraining):
         return {**self._method_kwargs(recipe), **modules.hyper()}
 
     def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
-        return [{"params": [modules.code_gain], "lr": recipe.options.gain_lr},
-                {"params": [modules.span_tau, modules.layer_logit, modules.summary_bias], "lr": recipe.lr}]
+        others = [modules.span_tau, modules.layer_logit, modules.summary_bias]
+        if recipe.options.host_rank_target < 1:
+            others.append(modules.rank_gate)
+        else:  # no rank budget: the gates stay on (the host rows exact) and collect no gradient
+            modules.rank_gate.requires_grad_(False)
+        return [{"params": [modules.code_gain], "lr": recipe.options.gain_lr}, {"params": others, "lr": recipe.lr}]
 
     def step_loss(self, modules: SeKVAdapter, sample: Sample, layers: list[int], recipe: Any, step: int,
                   rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
@@ -290,9 +316,11 @@ class SeKVTraining(MethodTraining):
             zero = sum(p.sum() * 0 for p in modules.parameters())
             return zero, {}
         mean = {k: torch.stack(v).mean() for k, v in parts.items()}
+        host = torch.sigmoid(modules.rank_gate).mean()  # the share of principal directions the host keeps
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
-                + o.w_out * mean["out"])
-        logs = {k: v.item() for k, v in mean.items()} | {"loss": loss.item()}
+                + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
+        kept_dirs = float((modules.rank_gate > 0).float().mean())
+        logs = {k: v.item() for k, v in mean.items()} | {"host_rank": kept_dirs, "loss": loss.item()}
         return loss, logs
 
     def report(self, modules: SeKVAdapter, recipe: Any, samples: list[Sample]) -> dict[str, Any] | None:
@@ -334,6 +362,8 @@ class SeKVTraining(MethodTraining):
         return {"kept_mass": round(sum(flat) / len(flat), 4), "oracle_mass": round(sum(flat_o) / len(flat_o), 4),
                 "anchor_share": round(sum(anchors) / len(anchors), 4), "layers": per_layer,
                 "tau": [round(float(x), 3) for x in modules.span_tau],
+                "host_rank": [[int(n) for n in (modules.rank_gate[layer] > 0).sum(-1)]
+                              for layer in range(modules.num_layers)],
                 "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares()],
                 "gain_spread": round(float(modules.code_gain.std()), 4)}
 
