@@ -374,9 +374,7 @@ class SeKV(RecallableMethod):
         return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
-        keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
-        h, n = keys.shape[1], host_length(memory)
+        h, n = memory.device_tier["code_mean"].shape[1], host_length(memory)
         valid = host_valid(memory)
         k = memory.meta["budget"] - self.config.summary_row  # the summary row is the budget's last row
         idx = None
