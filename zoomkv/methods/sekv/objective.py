@@ -316,7 +316,11 @@ class SeKVTraining(MethodTraining):
             zero = sum(p.sum() * 0 for p in modules.parameters())
             return zero, {}
         mean = {k: torch.stack(v).mean() for k, v in parts.items()}
-        host = torch.sigmoid(modules.rank_gate).mean()  # the share of principal directions the host keeps
+        # The share of principal directions the host keeps, over this step's layers only: Adam moves every
+        # gate about as far each step whatever its gradient, so a hinge over all layers would pull down the
+        # gates of layers whose output error this step does not see.
+        pos = [all_layers.index(layer) for layer in layers]
+        host = torch.sigmoid(modules.rank_gate[pos]).mean()
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
                 + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
         kept_dirs = float((modules.rank_gate > 0).float().mean())
