@@ -6,7 +6,7 @@
    subset at ~2K tokens (``zoomkv eval``: accuracy, bytes per tier, decode speed);
 3. print the table and say where the rows and plots are.
 
-About 15 minutes on a 2-core CPU the first time (training included: ~13), 2 minutes after.
+About 8 minutes on a 2-core CPU the first time (training included: ~6), 2 minutes after.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _adapter() -> Path:
     if (adapter / "adapter_config.json").is_file():
         print(f"using the trained adapter in {adapter} (delete it to train again)")
         return adapter
-    print(f"training the quickstart sekv adapter ({RECIPE.name}), ~13 minutes on a 2-core CPU")
+    print(f"training the quickstart sekv adapter ({RECIPE.name}), ~6 minutes on a 2-core CPU")
     return train(cfg)
 
 
