@@ -130,3 +130,25 @@ def test_many_shot_fills_length_without_the_test_question(tmp_path, fmt):
 def test_unknown_format_flag():
     with pytest.raises(ZoomKVError, match="valid: auto"):
         load_data("x.jsonl", fmt="csv")
+
+
+def test_a_hub_id_may_name_its_configuration(monkeypatch):
+    """``owner/name:config`` reaches ``datasets.load_dataset`` as the dataset and its configuration (LongBench
+    has one per task); nothing is downloaded here."""
+    import datasets
+
+    from zoomkv.data import sources
+
+    seen = {}
+
+    def fake_load(name, config=None, split=None, streaming=False):
+        seen.update(name=name, config=config, split=split)
+        return datasets.Dataset.from_dict({"input": ["q"], "context": ["c"], "answers": [["a"]]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    sources.load_source("THUDM/LongBench:narrativeqa", split="test")
+    assert seen == {"name": "THUDM/LongBench", "config": "narrativeqa", "split": "test"}
+    sources.load_source("owner/plain")
+    assert seen["name"] == "owner/plain" and seen["config"] is None
+    with pytest.raises(ZoomKVError, match="nothing after ':'"):
+        sources.load_source("owner/name:")

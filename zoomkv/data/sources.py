@@ -8,7 +8,8 @@ A source is one string:
 - a local file: ``.jsonl`` / ``.json``, ``.parquet``, ``.csv``, or one ``.txt`` / ``.md`` document;
 - a local folder: a dataset saved with ``Dataset.save_to_disk`` (it has ``dataset_info.json`` or
   ``state.json``), or any folder of ``.txt`` / ``.md`` files (one record per file, recursive);
-- anything else is read as a Hub dataset id (``owner/name``), which needs the network.
+- anything else is read as a Hub dataset id (``owner/name``, or ``owner/name:config`` for a dataset with
+  several configurations, as LongBench has one per task), which needs the network.
 
 Local files go through ``datasets.load_dataset`` (cached by ``datasets`` as usual) and saved datasets
 through ``load_from_disk``; ``streaming=True`` reads records lazily (``IterableDataset``) for sources too
@@ -88,6 +89,15 @@ def _text_files(folder: Path) -> list[str]:
     return files
 
 
+def hub_id_and_config(source: str) -> tuple[str, str | None]:
+    """``owner/name:config`` → ``("owner/name", "config")`` (a Hub dataset with several configurations,
+    as LongBench's one per task); a plain id has no config."""
+    name, sep, config = source.partition(":")
+    if sep and not config.strip():
+        raise ZoomKVError(f"data source {source!r}: nothing after ':' (owner/name:config names a configuration)")
+    return name, (config.strip() or None)
+
+
 def load_source(source: str, *, split: str = "train", streaming: bool = False):
     """The records of ``source`` (see the module docstring) as a ``datasets.Dataset``, or an
     ``IterableDataset`` when ``streaming``."""
@@ -118,7 +128,8 @@ def load_source(source: str, *, split: str = "train", streaming: bool = False):
                                          **kwargs)
         if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")):
             raise ZoomKVError(f"data source not found: {source}")
-        return _pick_split(datasets.load_dataset(source, split=split, streaming=streaming), split, source)
+        name, config = hub_id_and_config(source)
+        return _pick_split(datasets.load_dataset(name, config, split=split, streaming=streaming), split, source)
     except ZoomKVError:
         raise
     except Exception as err:  # datasets raises many kinds (arrow, json, network, file system): one line each
