@@ -141,13 +141,15 @@ def generate_text(
     else:
         prefill_s, decode_ms = end - start, 0.0
     decoded = tokenizer.batch_decode(new, skip_special_tokens=True)
+    memory = cache.memory_report()
+    cache.release()  # freed now, not at some later cyclic GC (see ZoomCache.release): callers loop over prompts
     return GenerationResult(
         texts=decoded,
         prompt_tokens=prompt_len,
         new_tokens=new.shape[1],
         prefill_s=prefill_s,
         decode_ms_per_token=decode_ms,
-        memory=cache.memory_report(),
+        memory=memory,
         token_ids=new.tolist(),
     )
 
@@ -223,6 +225,9 @@ def _release(result: GenerationResult, keep_caches: bool) -> GenerationResult:
     """Drop the result's cache as soon as its numbers are read, unless asked to keep it: otherwise every
     method's whole cache (the host tier holds all KV) stays alive until the last method of the prompt ran."""
     if not keep_caches:
+        # release(), not only dropping the reference: a ZoomCache is in reference cycles (its layers point
+        # back at it) that only the cyclic GC would free, long after the next prompts' caches were made.
+        result.cache.release()
         result.cache = result.sequence = None
     return result
 

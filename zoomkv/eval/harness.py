@@ -270,6 +270,9 @@ def _turn_rows(model: Any, tokenizer: Any, samples: list[Sample], texts: list[st
                 row = _row(asked, result.prompt_tokens, 0, run, result, 1, cfg, fmt)
                 row["task"] = row_task(s.task, turn)
                 rows.append(row)
+            # generate_turns keeps each run's cache (its turns share it); release it now that its rows are read
+            # (a ZoomCache sits in reference cycles only the cyclic GC would free: see ZoomCache.release)
+            results[0].cache.release()
     return rows
 
 

@@ -214,6 +214,28 @@ class ZoomCache(Cache):
     def max_device_rows(self) -> int:
         return max((layer.max_device_rows for layer in self.layers if isinstance(layer, LayerMemory)), default=0)
 
+    def release(self) -> None:
+        """Free every tensor this cache holds now; for a caller done with it (its report read). The cache
+        cannot be used afterwards.
+
+        Why not just drop the last reference: a ZoomCache and its ``LayerMemory``s point at each other
+        (``layer.cache``), and a selection probe's budget callback closes over the cache, so the cache is
+        in reference cycles that refcounting never frees. It then waits for Python's cyclic GC, whose
+        full collections are rare in a process holding a model (one runs only once the objects that
+        survived since the last one are a quarter of all long-lived objects): a long ``zoomkv eval`` kept
+        every prompt's dead caches (host tiers with all KV, the prefill record's queries) and grew by GBs.
+        Emptying ``layers`` breaks the cycles: the layers and their tiers go at once, the shell with the
+        caller's last reference."""
+        self.layers.clear()
+        self.probe = None
+        self.pending.clear()
+        self.attention_inputs.clear()
+        self.prompt_ids = self.step_ids = None
+        self.__dict__.pop("recorder", None)  # zoomkv.memory.replay's prefill contexts (the record keeps its own)
+        self.__dict__.pop("surprisal", None)
+        if getattr(_running, "cache", None) is self:  # the last forward's pointer must not keep even the shell
+            _running.cache = None
+
 
 def attach(model: torch.nn.Module) -> torch.nn.Module:
     """Route the model's attention through zoomkv. Without a ZoomCache it still behaves as plain sdpa.

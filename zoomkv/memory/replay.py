@@ -69,6 +69,9 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, LayerMemory):
             record.passthrough[i] = layer
+    # The recording cache is in reference cycles (ZoomCache.release says why): left to the cyclic GC it would
+    # keep the record's contexts (every layer's queries, keys and values) alive long after the record.
+    cache.release()
     return record
 
 
