@@ -231,3 +231,23 @@ def test_ranking_loss_prefers_the_ranking_of_the_teacher():
     assert adapter.span_tau.grad[0] != 0 and adapter.layer_logit.grad.abs().sum() > 0
     assert adapter.summary_bias.grad[0].abs().sum() > 0
     assert adapter.rank_gate.grad[0].abs().sum() > 0  # the rank gates learn from the output error
+
+
+def test_freeze_holds_the_named_tensors_and_the_rank_gates_learn_at_their_own_rate(tmp_path, capsys):
+    """``freeze=`` (an ablation) keeps the named tensors at their start while the rest trains; an unknown name
+    is one line naming the adapter's tensors. With a rank budget the gates move at ``gate_lr``: enough for a
+    short run to drop directions."""
+    common = ["--recipe", str(TINY), f"teacher_cache={tmp_path / 'teacher'}", "num_samples=2", "queries_per_sample=3",
+              "steps=4", "save_every=4"]
+    assert main([*common, f"output_dir={tmp_path / 'a'}", "freeze=span_tau,layer_logit",
+                 "host_rank_target=0.5", "gate_lr=1.0"]) == 0
+    assert "held at their start: span_tau, layer_logit" in capsys.readouterr().out
+    a = load_file(str(tmp_path / "a" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    assert torch.equal(a["span_tau"], torch.full_like(a["span_tau"], 2.0))
+    assert torch.equal(a["layer_logit"], torch.zeros_like(a["layer_logit"]))
+    assert a["code_gain"].abs().sum() > 0 and a["summary_bias"].abs().sum() > 0  # the others trained
+    kept = (a["rank_gate"] > 0).float().mean()
+    assert kept < 1, "gate_lr=1.0 for 4 steps moves gates started at +3 below 0"
+    assert main([*common, f"output_dir={tmp_path / 'b'}", "freeze=span_ta"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'freeze'" in err[0] and "span_tau" in err[0], err

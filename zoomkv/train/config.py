@@ -54,6 +54,9 @@ class TrainConfig:
     lr: float = 0.01
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    # comma-separated names of the method's trainable tensors held at their start (an ablation: what training
+    # the others alone buys), e.g. "span_tau" for sekv; `zoomkv train --dry-run` lists the names
+    freeze: str = ""
     # bookkeeping
     log_every: int = 10
     save_every: int = 50

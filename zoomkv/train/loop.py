@@ -96,6 +96,20 @@ def plan_adapter(cfg: TrainConfig, shape: ModelShape) -> None:
     check_fraction(planned, shape, cfg, log=lambda *args: None)
 
 
+def freeze_parameters(adapter: torch.nn.Module, names: str) -> list[str]:
+    """Hold the recipe's ``freeze`` tensors at their start (no gradient, so the optimiser never moves them);
+    returns their names. An unknown name is refused, listing the adapter's."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    params = dict(adapter.named_parameters())
+    unknown = [n for n in wanted if n not in params]
+    if unknown:
+        raise ConfigError(f"recipe key 'freeze': {', '.join(map(repr, unknown))} is not a trainable tensor of this "
+                          f"adapter; expected some of {', '.join(params)}")
+    for name in wanted:
+        params[name].requires_grad_(False)
+    return wanted
+
+
 def check_fraction(adapter: torch.nn.Module, shape: ModelShape, cfg: TrainConfig, log=print) -> float:
     n = sum(p.numel() for p in adapter.parameters() if p.requires_grad)
     fraction = n / shape.num_parameters
@@ -121,6 +135,8 @@ def dry_run(cfg: TrainConfig) -> float:
     adapter = build_adapter(cfg, shape)
     print(f"model {cfg.model}: {shape.num_layers} layers ({len(shape.full_attention_layers)} compressed), "
           f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; adapter {adapter_hyper(adapter, cfg)}")
+    print("trainable tensors: " + ", ".join(f"{n} {list(p.shape)}" for n, p in adapter.named_parameters()))
+    freeze_parameters(adapter, cfg.freeze)
     fraction = check_fraction(adapter, shape, cfg)
     print(f"trainable_fraction={fraction:.6g}")
     return fraction
@@ -329,7 +345,10 @@ def train(cfg: TrainConfig) -> Path:
     if resume is not None:
         check_resume(resume, cfg, base_fingerprint(model, name=cfg.model))
     adapter = build_adapter(cfg, shape)
+    frozen = freeze_parameters(adapter, cfg.freeze)  # an unknown name fails here, before the teacher signals
     check_fraction(adapter, shape, cfg, log=say)
+    if frozen:
+        say(f"held at their start: {', '.join(frozen)}")
     say(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value.lower()}, {accelerator.device}")
     training = cfg.training  # everything method-specific: modules, objective, optimiser groups
 

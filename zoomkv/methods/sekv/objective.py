@@ -244,6 +244,9 @@ class SeKVRecipe(RecipeOptions):
     # the rank budget of the host tier: the share of principal directions the gates may keep (1: no cut)
     host_rank_target: float = 1.0
     w_host: float = 1.0  # weight of the hinge above host_rank_target
+    # the rank gates' learning rate: a step moves only its layers' gates (layers_per_step of them), and Adam
+    # moves a gate about lr a step, so at the shared lr a gate started at +3 could not reach 0 in a short run
+    gate_lr: float = 0.25
 
     def __post_init__(self) -> None:
         self.require("sinks", self.sinks >= 0, ">= 0")
@@ -254,7 +257,7 @@ class SeKVRecipe(RecipeOptions):
         self.require("candidates", 1 <= self.candidates <= 64, "in [1, 64]")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
         self.require("host_rank_target", 0 < self.host_rank_target <= 1, "in (0, 1]")
-        for key in ("gain_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
+        for key in ("gain_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
@@ -290,11 +293,12 @@ class SeKVTraining(MethodTraining):
 
     def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
         others = [modules.span_tau, modules.layer_logit, modules.summary_bias]
+        groups = [{"params": [modules.code_gain], "lr": recipe.options.gain_lr}, {"params": others, "lr": recipe.lr}]
         if recipe.options.host_rank_target < 1:
-            others.append(modules.rank_gate)
+            groups.append({"params": [modules.rank_gate], "lr": recipe.options.gate_lr})
         else:  # no rank budget: the gates stay on (the host rows exact) and collect no gradient
             modules.rank_gate.requires_grad_(False)
-        return [{"params": [modules.code_gain], "lr": recipe.options.gain_lr}, {"params": others, "lr": recipe.lr}]
+        return groups
 
     def step_loss(self, modules: SeKVAdapter, sample: Sample, layers: list[int], recipe: Any, step: int,
                   rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
@@ -369,7 +373,7 @@ class SeKVTraining(MethodTraining):
                 "host_rank": [[int(n) for n in (modules.rank_gate[layer] > 0).sum(-1)]
                               for layer in range(modules.num_layers)],
                 "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares()],
-                "gain_spread": round(float(modules.code_gain.std()), 4)}
+                "gain_spread": round(float(modules.code_gain.detach().std()), 4)}
 
     def make_method(self, modules: SeKVAdapter | None, recipe: Any) -> SeKV:
         return SeKV(adapter=modules, **self._method_kwargs(recipe))
