@@ -45,7 +45,8 @@ def _gen(model, ids, cache, new=8):
 
 
 @pytest.mark.parametrize("method,budget,tiers", [("oracle_topk", 4096, "host"), ("full", None, "all"),
-                                                 ("quest", 4096, "host"), ("clusterkv", 4096, "host")])
+                                                 ("quest", 4096, "host"), ("clusterkv", 4096, "host"),
+                                                 ("sekv", 4096, "host")])
 @pytest.mark.parametrize("bits,tol", [("int8", 0.02), ("int4", 0.3)])
 def test_quantized_generation_stays_close_to_full(method, budget, tiers, bits, tol):
     """Stated logit tolerance on the tiny random model: int8 within 0.02, int4 within 0.3 (of logits ~±1)."""
@@ -81,3 +82,20 @@ def test_device_tier_quantization_needs_support():
         ZoomCache(model, "snapkv", 64, kv_quant="int8", kv_quant_tiers="all")
     with pytest.raises(ConfigError, match="valid: int8, int4"):
         ZoomCache(model, "full", kv_quant="int3")
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_sekv_recalls_quantized_rows_under_a_small_budget(bits):
+    """sekv's second stage reads its finer codes' scales from the host tier: they are no KV rows and stay as
+    they are (quantizing their one-channel rows broke the rescoring), while keys and values are quantized."""
+    model, _ = load_model("tiny-llama")
+    ids = torch.randint(3, 250, (1, 80), generator=torch.Generator().manual_seed(1))
+    cache = ZoomCache(model, "sekv", 32, kv_quant=bits)
+    out = _gen(model, ids, cache, new=6)
+    assert out.sequences.shape[1] == 86
+    zoom = [layer for layer, row in zip(cache.layers, cache.memory_report().layers, strict=True) if row.kind == "zoom"]
+    assert zoom
+    for layer in zoom:
+        quantized = sorted(k for k, b in layer.host_tier.items() if isinstance(b, QuantizedRowBuffer))
+        assert quantized == ["keys", "values"]
+        assert not isinstance(layer.host_tier["fine_rms"], QuantizedRowBuffer)

@@ -111,11 +111,12 @@ class LayerMemory(CacheLayerMixin):
         out.copy_(tensor)
         return out
 
-    def host_rows(self, tensor: torch.Tensor) -> RowBuffer:
+    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> RowBuffer:
         """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``); int8/int4 codes
-        when the cache quantizes KV (masks and other non-float tensors are never quantized)."""
+        when the cache quantizes KV (masks and other non-float tensors are never quantized, nor rows a method
+        stores with ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
-        if spec is not None and tensor.is_floating_point():
+        if spec is not None and quantize and tensor.is_floating_point():
             return QuantizedRowBuffer(self.to_host(tensor), spec, pinned=self.pin_host)
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
 

@@ -239,7 +239,9 @@ class SeKV(RecallableMethod):
             # The finer codes live on the host tier beside the rows; a step copies only its candidates' codes
             # into a fixed device buffer (counted in the device tier's bytes).
             fine, fine_rms = encode(rotated, c.rescore_bits)
-            memory.host_tier["fine_codes"], memory.host_tier["fine_rms"] = memory.host_rows(fine), memory.host_rows(fine_rms)
+            # (codes and their RMS are no KV rows: never quantized again under --kv-quant)
+            memory.host_tier["fine_codes"] = memory.host_rows(fine, quantize=False)
+            memory.host_tier["fine_rms"] = memory.host_rows(fine_rms, quantize=False)
             m = self._candidates(budget)
             dev["cand_codes"] = torch.zeros(b, h, m, fine.shape[-1], dtype=torch.uint8, device=keys.device)
             dev["cand_rms"] = torch.zeros(b, h, m, 1, dtype=torch.float16, device=keys.device)
