@@ -6,7 +6,8 @@
 #
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that
 # `zoomkv models` / `make demo` writes). The 8B shape reuses that tokenizer: only its vocabulary size
-# matters for timing.
+# matters for timing. The default timeouts add up to 540 s, inside the device tool's 600 s per command
+# (override them with TEST_TIMEOUT, BENCH1_TIMEOUT, BENCH2_TIMEOUT, BENCH3_TIMEOUT).
 set -uo pipefail
 out=${1:-${OUT:-cuda-check}}
 mkdir -p "$out"
@@ -20,7 +21,7 @@ $py -c "import torch, transformers; print('torch', torch.__version__, 'transform
 # test_cuda.py includes the decode steps under torch.cuda.set_sync_debug_mode("error") (issue 16); -rxX lists
 # the methods still expected to synchronise (xfail) and any that stopped (XPASS: move them out of the list).
 # test_sync_audit.py is the same audit on the CPU, run here so both reports sit side by side.
-timeout "${TEST_TIMEOUT:-200}" $py -m pytest -q -rxX -p no:cacheprovider tests/test_cuda.py tests/test_sync_audit.py \
+timeout "${TEST_TIMEOUT:-150}" $py -m pytest -q -rxX -p no:cacheprovider tests/test_cuda.py tests/test_sync_audit.py \
   2>&1 | tee "$out/cuda_tests.log"
 
 shapes=$(mktemp -d)
@@ -40,11 +41,11 @@ bench() {  # name, seconds, then zoomkv bench arguments
   echo "== zoomkv bench $*" | tee "$out/$name.md"
   timeout "$secs" $py -m zoomkv bench --random-weights --device cuda --dtype bfloat16 "$@" 2>&1 | tee -a "$out/$name.md"
 }
-bench bench_smollm2_8k "${BENCH1_TIMEOUT:-150}" --model "$shapes/smollm2-135m" --length 8000 \
+bench bench_smollm2_8k "${BENCH1_TIMEOUT:-110}" --model "$shapes/smollm2-135m" --length 8000 \
   --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 64 --repeats 3
-bench bench_llama8b_16k "${BENCH2_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 16384 \
+bench bench_llama8b_16k "${BENCH2_TIMEOUT:-190}" --model "$shapes/llama-3.1-8b" --length 16384 \
   --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 32 --repeats 3
 # Several sequences at once (tokens/s over the batch) and the sync audit per decode step (issue 16): on a GPU
 # the audit also names the recall's device-to-host copies.
-bench bench_smollm2_8k_batch4 "${BENCH3_TIMEOUT:-120}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
+bench bench_smollm2_8k_batch4 "${BENCH3_TIMEOUT:-90}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
   --methods full,quest,clusterkv,sekv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --sync-audit --no-warmup
