@@ -15,7 +15,7 @@ from tests.helpers import greedy, padded_batch
 from zoomkv import ZoomCache
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.methods.semantic_id.method import simhash_ids
-from zoomkv.methods.semantic_id.objective import collision_probability, pair_targets
+from zoomkv.methods.semantic_id.objective import collision_probability, neighbour_loss, pair_targets
 from zoomkv.methods.semantic_id.projector import SemanticProjector
 from zoomkv.models import load_model
 
@@ -37,6 +37,24 @@ def test_pair_targets_follow_the_teacher_queries_and_the_values():
     assert eq[0, 1] and eq[1, 0]
     assert not eq[0, 2] and not eq[1, 2]
     assert not eq[0, 3]
+
+
+def test_neighbour_loss_prefers_semantic_neighbours_that_the_teacher_finds_equivalent():
+    """The listwise loss is lower when each row's nearest semantic vector is its most equivalent row for the
+    teacher (rows 0/1 and 2/3 share logits under every query), and its gradient reaches the vectors."""
+    d = 8
+    q = torch.zeros(3, d)
+    q[:, 0] = 1.0
+    k = torch.zeros(4, d)
+    k[0, 0], k[1, 0], k[2, 0], k[3, 0] = 0.0, 0.1, 4.0, 4.1
+    v = torch.ones(4, d)
+    args = (k, v, q, 1.0, math.log(2), 0.95, 0.1)
+    paired = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]], requires_grad=True)
+    crossed = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.1, 0.9]])
+    good = neighbour_loss(paired, *args)
+    assert good < neighbour_loss(crossed, *args)
+    good.backward()
+    assert paired.grad.abs().sum() > 0
 
 
 def test_collision_probability_is_simhash_collision_rate():

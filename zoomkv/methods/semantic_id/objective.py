@@ -10,8 +10,12 @@ differ by at most σ* (the logit spread at which ``semantic_id``'s match equals 
 Per step and layer: a seeded sample of rows every query sees, all pairs among them, the teacher's label per
 pair, and the student's collision probability ``(1 - θ/π)^id_bits`` (θ: the angle between the two
 semantic vectors; SimHash with ``id_bits`` random hyperplanes collides with exactly that probability).
-Loss: class-balanced binary cross-entropy. The start is the PCA of cached K‖V rows (similarity-preserving,
-deterministic), as the method uses without training.
+Loss (recipe key ``loss``): ``pairs``, class-balanced binary cross-entropy of each pair's collision
+probability against its label; or ``neighbours``, listwise: each row's other rows ranked by semantic
+similarity as the teacher's logit gap ranks them (equivalence is rare, ~0.03% of pairs on SmolLM2, so the
+label-wise loss mostly pushes pairs apart; the ranking keeps the nearest rows the most equivalent ones).
+The start is the PCA of cached K‖V rows (similarity-preserving, deterministic), as the method uses
+without training.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from zoomkv.protocol.method import check_hyperparameters
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
 
+LOSSES = ("pairs", "neighbours")
 METHOD_KEYS = ("sem_dim", "hidden", "id_bits", "key_threshold", "value_threshold", "recall_threshold")
 
 
@@ -43,8 +48,16 @@ class SemanticIDRecipe(RecipeOptions):
     sem_hidden: int = 32
     id_bits: int = 6
     pair_rows: int = 192  # rows sampled per layer and step; every pair among them is a training pair
+    # pairs: class-balanced BCE of each pair's collision probability against the teacher's equivalence label;
+    # neighbours: listwise, each row's neighbours ranked by semantic similarity as the teacher's logit gap
+    # ranks them (a softmax over the other rows, KL to the teacher's), so the nearest rows are the most
+    # equivalent ones even where no pair passes the strict test
+    loss: str = "pairs"
+    neighbour_temperature: float = 0.1  # the student's softmax over cosine similarities (neighbours loss)
 
     def __post_init__(self) -> None:
+        self.require("loss", self.loss in LOSSES, f"one of {LOSSES}")
+        self.require("neighbour_temperature", 0 < self.neighbour_temperature <= 10, "in (0, 10]")
         self.require("sem_dim", self.sem_dim >= 1, ">= 1")
         self.require("sem_hidden", self.sem_hidden >= 2 * self.sem_dim, f">= 2 * sem_dim ({2 * self.sem_dim})")
         self.require("id_bits", 0 <= self.id_bits <= 30, "in [0, 30]")
@@ -76,10 +89,8 @@ def pair_targets(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
                  sigma: float, value_threshold: float) -> torch.Tensor:
     """``[S, S]`` bool: rows i and j are attention-equivalent for every query (``[Q, d]``) and their values
     at least ``value_threshold`` cosine-similar. ``keys``/``values``: ``[S, d]``."""
-    logits = scaling * (queries.float() @ keys.float().T)  # [Q, S]
-    gap = (logits[:, :, None] - logits[:, None, :]).abs().amax(0)  # [S, S]
     v = F.normalize(values.float(), dim=-1)
-    return (gap <= sigma) & (v @ v.T >= value_threshold)
+    return (logit_gaps(keys, queries, scaling) <= sigma) & (v @ v.T >= value_threshold)
 
 
 def collision_probability(sem: torch.Tensor, bits: int) -> torch.Tensor:
@@ -89,8 +100,31 @@ def collision_probability(sem: torch.Tensor, bits: int) -> torch.Tensor:
     return (1 - torch.arccos(cos) / math.pi) ** bits
 
 
+def logit_gaps(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[S, S]``: the largest logit difference of rows i and j under any of the queries (``[Q, d]``)."""
+    logits = scaling * (queries.float() @ keys.float().T)  # [Q, S]
+    return (logits[:, :, None] - logits[:, None, :]).abs().amax(0)
+
+
+def neighbour_loss(sem: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+                   scaling: float, sigma: float, value_threshold: float, temperature: float) -> torch.Tensor:
+    """Listwise: for each row, a softmax over the other rows by the teacher's closeness (``-gap / σ``, pairs
+    whose values fail ``value_threshold`` pushed a further 10σ away) against the student's softmax over
+    semantic cosine similarity at ``temperature``; KL(teacher || student), averaged over rows."""
+    n = keys.shape[0]
+    eye = torch.eye(n, dtype=torch.bool)
+    v = F.normalize(values.float(), dim=-1)
+    far = (v @ v.T < value_threshold).float() * 10.0
+    teacher = torch.softmax((-logit_gaps(keys, queries, scaling) / sigma - far).masked_fill(eye, float("-inf")), -1)
+    unit = F.normalize(sem, dim=-1)
+    student = torch.log_softmax(((unit @ unit.T) / temperature).masked_fill(eye, float("-inf")), -1)
+    kl = teacher * (teacher.clamp_min(1e-12).log() - student.masked_fill(eye, 0.0))
+    return kl.masked_fill(eye, 0.0).sum(-1).mean()
+
+
 def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], layers: list[int], mcfg: SemanticIDConfig,
-              rows: int, seed: int) -> tuple[torch.Tensor, dict[str, float]]:
+              rows: int, seed: int, loss: str = "pairs",
+              temperature: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
     sigma = math.acosh(1.0 / mcfg.recall_threshold)
     scaling = float(sample["scaling"])
     first_query = int(sample["positions"].min())
@@ -110,12 +144,16 @@ def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], lay
             k, v = keys[h, idx], values[h, idx]
             q = queries[h * group : (h + 1) * group].reshape(-1, queries.shape[-1])
             target = pair_targets(k, v, q, scaling, sigma, mcfg.value_threshold)[off_diag].float()
-            prob = collision_probability(projector.project(k, v), mcfg.id_bits)[off_diag]
+            sem = projector.project(k, v)
+            prob = collision_probability(sem, mcfg.id_bits)[off_diag]
             n_pos = target.sum()
-            # Class balance: equivalent pairs are rare, and each one missed is a merge lost.
-            pos_weight = ((target.numel() - n_pos) / n_pos.clamp_min(1)).clamp(max=50.0)
-            weight = torch.where(target > 0, pos_weight, torch.ones_like(target))
-            losses.append(F.binary_cross_entropy(prob.clamp(1e-6, 1 - 1e-6), target, weight=weight))
+            if loss == "neighbours":
+                losses.append(neighbour_loss(sem, k, v, q, scaling, sigma, mcfg.value_threshold, temperature))
+            else:
+                # Class balance: equivalent pairs are rare, and each one missed is a merge lost.
+                pos_weight = ((target.numel() - n_pos) / n_pos.clamp_min(1)).clamp(max=50.0)
+                weight = torch.where(target > 0, pos_weight, torch.ones_like(target))
+                losses.append(F.binary_cross_entropy(prob.clamp(1e-6, 1 - 1e-6), target, weight=weight))
             with torch.no_grad():
                 pos_share.append(float(target.mean()))
                 if n_pos > 0:
@@ -180,7 +218,7 @@ class SemanticIDTraining(MethodTraining):
     def step_loss(self, modules: SemanticProjector, sample: Sample, layers: list[int], recipe: Any, step: int,
                   rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
         return step_loss(modules, sample, layers, method_config(recipe), recipe.options.pair_rows,
-                         rng.randrange(2**31))
+                         rng.randrange(2**31), recipe.options.loss, recipe.options.neighbour_temperature)
 
     def report(self, modules: SemanticProjector, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
         return pair_metrics(modules, samples, recipe)
