@@ -132,6 +132,24 @@ def test_resume_runs_only_missing_configs(tmp_path, tiny, counting):
     assert all(runs == ["streamingllm:128"] for _, runs in grown.calls) and len(rows) == 2 * 3
 
 
+def test_report_only_runs_nothing_and_reports_the_rows_stored(tmp_path, tiny, counting):
+    """Rows of two runs put in one folder are reported together; missing rows are not computed."""
+    out = tmp_path / "run"
+    counting()
+    run_eval(_cfg(out, samples=2), *tiny)
+    kept = [r for r in _rows(out) if not (r["method"] == "streamingllm" and r["sample"] == 1)]
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (out / "summary.md").unlink()
+    again = counting()
+    rows = run_eval(_cfg(out, samples=2, budgets=["64", "128"], report_only=True, plots=False), *tiny)
+    assert again.calls == [] and len(rows) == len(kept)
+    assert "streamingllm" in (out / "summary.md").read_text()
+    with pytest.raises(ZoomKVError, match="--overwrite would discard"):
+        run_eval(_cfg(out, report_only=True, overwrite=True), *tiny)
+    with pytest.raises(ZoomKVError, match="no rows"):
+        run_eval(_cfg(tmp_path / "empty", report_only=True), *tiny)
+
+
 def test_refuses_to_mix_runs(tmp_path, tiny):
     out = tmp_path / "run"
     run_eval(_cfg(out, samples=1), *tiny)

@@ -59,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         adapters=[a for group in args.adapter or [] for a in _split(group)],
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
+        report_only=args.report_only,
         plots=not args.no_plots, progress=not args.quiet, threads=args.threads,
         command=command_line(args), protocol=args.protocol, prefill_chunk=args.prefill_chunk,
         diagnose=args.diagnose,
@@ -149,5 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
     parser.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: write the summary and plots of the rows already in --out (several runs' "
+                             "rows.jsonl put together in one folder, say)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")

@@ -53,6 +53,7 @@ class EvalConfig:
     dtype: str = "float32"
     device: str = "auto"
     overwrite: bool = False
+    report_only: bool = False  # run nothing: summary and plots of the rows already in ``out`` (e.g. several runs' rows.jsonl put together)
     plots: bool = True
     progress: bool = True
     threads: int | None = None
@@ -325,13 +326,17 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                 "prefill_chunk": cfg.prefill_chunk}
     if cfg.diagnose:  # rows with and without diagnostics do not mix (the key is absent otherwise: older runs resume)
         identity["diagnose"] = True
+    if cfg.report_only and cfg.overwrite:
+        raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
     store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
 
     batches = [(task, length, depth, list(range(start, min(start + cfg.batch_size, count))))
                for task, length, depth, count in prep.groups for start in range(0, count, cfg.batch_size)]
-    todo = [b for b in batches if any(not store.has(row_key(_probe_row(b[0], b[1], b[2], i, r)))
-                                      for i in b[3] for r in prep.runs)]
+    todo = [] if cfg.report_only else [b for b in batches if any(not store.has(row_key(_probe_row(b[0], b[1], b[2], i, r)))
+                                                                for i in b[3] for r in prep.runs)]
+    if cfg.report_only and not store.rows:
+        raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")
     # Build each group's first sample before any decoding: a length too short for a task's template
     # fails now, not after an hour of other tasks. The samples are kept for the loop.
     built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in todo if ix[0] == 0}
