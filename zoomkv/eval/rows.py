@@ -103,7 +103,11 @@ class RowStore:
                     self.path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
                     break
                 raise ZoomKVError(f"{self.path}:{number}: bad JSON; fix or delete the line to resume") from None
-        return rows
+        # One row per key, the first: rows of several runs put together (--report-only) share their `full` rows.
+        unique: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for r in rows:
+            unique.setdefault(row_key(r), r)
+        return list(unique.values())
 
     def has(self, key: tuple[Any, ...]) -> bool:
         return key in self.done
