@@ -369,7 +369,9 @@ def train(cfg: TrainConfig) -> Path:
     if not cfg.init_adapter:  # every process computes the same start from the same cache
         training.prepare(adapter, cfg, cached)
     report_before = training.report(adapter, cfg, cached[-2:])
-    optimizer = torch.optim.AdamW(training.param_groups(adapter, cfg), weight_decay=cfg.weight_decay)
+    # frozen tensors (the recipe's freeze=) stay out of the optimiser: no moments, nothing for DeepSpeed to shard
+    groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in training.param_groups(adapter, cfg)]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay)
     param_lists = [list(group["params"]) for group in optimizer.param_groups]
     if ds:  # the engine's batch, accumulation and clipping come from the recipe
         deepspeed_engine.configure(accelerator, cfg.samples_per_step, cfg.grad_clip,

@@ -206,11 +206,11 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     share = adapter.layer_shares()[layer]
     rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
     vote = selection_order(adapter, layer, student, query, scaling, logits, region,
-                           max(1, round(float(rows))), cfg)  # [h, n]
+                           max(1, round(float(rows.detach()))), cfg)  # [h, n]
     kept = captured_mass(a, vote, rows, region)
     split = -torch.log(kept.clamp_min(1e-6))
     with torch.no_grad():  # inference's selection at the layer's (integer) budget
-        k = max(0, min(int(region.sum()), round(float(rows))))
+        k = max(0, min(int(region.sum()), round(float(rows.detach()))))
         chosen = ~region.expand(h, -1).clone()
         if k:
             top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
