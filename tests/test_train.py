@@ -248,6 +248,9 @@ def test_freeze_holds_the_named_tensors_and_the_rank_gates_learn_at_their_own_ra
     assert a["code_gain"].abs().sum() > 0 and a["summary_bias"].abs().sum() > 0  # the others trained
     kept = (a["rank_gate"] > 0).float().mean()
     assert kept < 1, "gate_lr=1.0 for 4 steps moves gates started at +3 below 0"
+    # its moments leave the frozen tensors out: resuming under another freeze is refused in one line
+    assert main([*common, f"output_dir={tmp_path / 'a'}", "host_rank_target=0.5", "resume=latest"]) == 2
+    assert "freeze='span_tau,layer_logit'" in capsys.readouterr().err
     assert main([*common, f"output_dir={tmp_path / 'b'}", "freeze=span_ta"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'freeze'" in err[0] and "span_tau" in err[0], err

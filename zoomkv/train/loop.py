@@ -207,6 +207,14 @@ def check_resume(folder: Path, cfg: TrainConfig, fingerprint: dict[str, Any] | N
         raise ConfigError(f"recipe key 'resume': {folder} is not a training checkpoint of this trainer ({err})") from err
     if method != cfg.method:
         raise ConfigError(f"recipe key 'resume': {folder} is a checkpoint of method {method!r}, not {cfg.method!r}")
+    try:  # the optimiser's groups leave frozen tensors out: another freeze= cannot take these moments
+        saved = yaml.safe_load((folder / "train_config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        saved = {}
+    frozen = str(saved.get("freeze") or "") if isinstance(saved, dict) else ""
+    if frozen != cfg.freeze:
+        raise ConfigError(f"recipe key 'resume': {folder} was trained with freeze={frozen!r}, the recipe says "
+                          f"freeze={cfg.freeze!r}; resume with the same freeze")
     diff = [] if recorded.get("name") == cfg.model else ["name"]
     if fingerprint is not None:
         diff += fingerprint_diff(recorded, fingerprint)
