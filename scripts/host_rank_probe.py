@@ -17,17 +17,15 @@ from pathlib import Path
 
 import torch
 
-from zoomkv.methods.sekv.host import principal_directions
+from zoomkv.methods.sekv.host import truncated
 from zoomkv.train.teacher import load_sample
 
 
 def low_rank(x: torch.Tensor, rank: int, exact: int) -> torch.Tensor:
-    """``x`` ``[h, n, d]`` with rows ``exact:`` in their top ``rank`` principal directions (the first kept)."""
-    rest = x[:, exact:]
-    mean = rest.mean(1, keepdim=True)
-    directions = principal_directions(rest - mean)[:, :rank]
-    approx = torch.matmul(torch.matmul(rest - mean, directions.transpose(-1, -2)), directions) + mean
-    return torch.cat([x[:, :exact], approx], 1)
+    """``x`` ``[h, n, d]`` with rows ``exact:`` in their top ``rank`` principal directions (the first kept):
+    the training objective's ``truncated`` with the first ``rank`` gates on."""
+    gates = (torch.arange(x.shape[-1]) < rank).float()
+    return torch.cat([x[:, :exact], truncated(x[:, exact:], gates)], 1)
 
 
 def output_error(sample: dict[str, torch.Tensor], layer: int, rank: int, which: str, exact: int) -> float:
