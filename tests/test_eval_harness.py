@@ -149,6 +149,7 @@ def test_report_only_runs_nothing_and_reports_the_rows_stored(tmp_path, tiny, co
         run_eval(_cfg(out, report_only=True, overwrite=True), *tiny)
     with pytest.raises(ZoomKVError, match="no rows"):
         run_eval(_cfg(tmp_path / "empty", report_only=True), *tiny)
+    assert not (tmp_path / "empty").exists()  # refused before anything is written
 
 
 def test_refuses_to_mix_runs(tmp_path, tiny):

@@ -328,6 +328,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
         identity["diagnose"] = True
     if cfg.report_only and cfg.overwrite:
         raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
+    if cfg.report_only and not (Path(cfg.out) / "rows.jsonl").is_file():  # before RowStore makes the folder
+        raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")
     store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
 
@@ -335,8 +337,6 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                for task, length, depth, count in prep.groups for start in range(0, count, cfg.batch_size)]
     todo = [] if cfg.report_only else [b for b in batches if any(not store.has(row_key(_probe_row(b[0], b[1], b[2], i, r)))
                                                                 for i in b[3] for r in prep.runs)]
-    if cfg.report_only and not store.rows:
-        raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")
     # Build each group's first sample before any decoding: a length too short for a task's template
     # fails now, not after an hour of other tasks. The samples are kept for the loop.
     built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in todo if ix[0] == 0}
