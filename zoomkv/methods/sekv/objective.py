@@ -205,12 +205,12 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     anchor = student.soft_anchor.sum() / max(1, int(region.sum()))
     share = adapter.layer_shares()[layer]
     rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
-    vote = selection_order(adapter, layer, student, query, scaling, logits, region,
-                           max(1, round(float(rows.detach()))), cfg)  # [h, n]
+    whole = round(float(rows.detach()))  # the integer budget inference recalls at
+    vote = selection_order(adapter, layer, student, query, scaling, logits, region, max(1, whole), cfg)  # [h, n]
     kept = captured_mass(a, vote, rows, region)
     split = -torch.log(kept.clamp_min(1e-6))
     with torch.no_grad():  # inference's selection at the layer's (integer) budget
-        k = max(0, min(int(region.sum()), round(float(rows.detach()))))
+        k = max(0, min(int(region.sum()), whole))
         chosen = ~region.expand(h, -1).clone()
         if k:
             top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
