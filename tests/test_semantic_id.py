@@ -17,7 +17,7 @@ from zoomkv.memory import LayerMemory
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
 from zoomkv.methods.semantic_id.merging import COMPRESSED, RAW, RECALLED, match_score
-from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector, pca_basis, semantic_input
 from zoomkv.protocol.method import PrefillContext, Selection
 from zoomkv.protocol.shape import ModelShape
 
@@ -119,6 +119,54 @@ def test_projector_travels_as_a_zoomkv_adapter(tmp_path):
     method = ZoomAdapter.from_pretrained(tmp_path / "adapter").make_method(sem_dim=8, hidden=16)
     x = torch.randn(3, 32)
     torch.testing.assert_close(method._projector(x), adapter.modules(x))
+
+
+def _plain(x):
+    return x.view() if not isinstance(x, torch.Tensor) else x
+
+
+def test_input_correction_keeps_the_per_sequence_pca_and_reshapes_what_it_is_fitted_to(tmp_path):
+    """The third projector design: the method still fits its PCA to each sequence and head, on the rows
+    the trained correction gives. Its start (the identity) is exactly the untrained method; a correction
+    that weighs keys above values moves the basis; it travels as an adapter with ``design``."""
+    from zoomkv.adapters.model import ZoomAdapter
+
+    keys, values, _ = prototype_rows(6, 3, 0.3, 0.05)
+    plain, corrected = get_method("semantic_id"), get_method("semantic_id")
+    corrected.attach_adapter(InputCorrection(2 * D, rank=4))
+    mem_plain, mem_corrected = make_layer(plain, 24, keys), make_layer(corrected, 24, keys)
+    prefill(plain, mem_plain, keys, values, 24)
+    prefill(corrected, mem_corrected, keys, values, 24)
+    assert mem_plain.meta["merged"] and mem_corrected.meta["merged"]
+    assert mem_plain.device_tier.keys() == mem_corrected.device_tier.keys()
+    for name, tensor in mem_plain.device_tier.items():
+        assert torch.equal(_plain(tensor), _plain(mem_corrected.device_tier[name])), name
+
+    skewed = InputCorrection(2 * D, rank=4)
+    with torch.no_grad():
+        skewed.gain[:D] = 4.0  # keys weigh five times their values
+    method = get_method("semantic_id")
+    method.attach_adapter(skewed)
+    memory = make_layer(method, 24, keys)
+    prefill(method, memory, keys, values, 24)
+    assert "proj_basis" in memory.device_tier  # still the per-sequence PCA, now of the corrected rows
+    assert not torch.allclose(memory.device_tier["proj_basis"], mem_plain.device_tier["proj_basis"], atol=1e-3)
+    mean, _ = pca_basis(skewed(semantic_input(keys, values))[0, 0], None, 8)
+    assert torch.allclose(memory.device_tier["proj_mean"][0, 0], mean, atol=1e-4)
+
+    adapter = ZoomAdapter.initialise(load_tiny()[0], "semantic_id", {"design": "pca_correction", "correction_rank": 4})
+    assert isinstance(adapter.modules, InputCorrection) and adapter.modules.rank == 4
+    with torch.no_grad():
+        adapter.modules.mix_out.normal_()
+    adapter.save_pretrained(tmp_path / "adapter")
+    back = ZoomAdapter.from_pretrained(tmp_path / "adapter").make_method()
+    z = torch.randn(3, adapter.modules.in_dim)
+    torch.testing.assert_close(back._projector(z), adapter.modules(z))
+    shape = ModelShape.from_config(load_tiny()[0].config)
+    with pytest.raises(ConfigError, match="design"):
+        build_adapter_modules("semantic_id", shape, {"design": "lookup"})
+    with pytest.raises(ConfigError):
+        build_adapter_modules("semantic_id", shape, {"design": "pca_correction", "correction_rank": 10**6})
 
 
 # -- merging --------------------------------------------------------------------------------------------------

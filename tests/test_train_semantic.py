@@ -16,7 +16,7 @@ from zoomkv import ZoomCache
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.methods.semantic_id.method import simhash_ids
 from zoomkv.methods.semantic_id.objective import collision_probability, neighbour_loss, pair_targets
-from zoomkv.methods.semantic_id.projector import SemanticProjector
+from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector
 from zoomkv.models import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +93,25 @@ def test_training_moves_equivalent_pairs_together_and_the_adapter_runs(tmp_path)
     out = greedy(model, ids, mask, cache, new=8)  # the runtime raises if a step holds more than B rows
     assert out.sequences.shape[1] == ids.shape[1] + 8
     assert calls, "the trained projector was never used to hash the rows"
+
+
+def test_training_a_correction_of_the_per_sequence_pca(tmp_path):
+    """``design=pca_correction``: the module trained is the correction of the PCA's input (the identity at
+    its start, so its fresh score is the untrained method's); the loss falls and the adapter runs."""
+    args = [sys.executable, "-m", "zoomkv.train", "--recipe", str(RECIPE), f"output_dir={tmp_path}",
+            "design=pca_correction", "correction_rank=4", "loss=neighbours", "lr=0.05"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "semantic-id-tiny"
+    pairs = json.loads((run / "pairs.json").read_text())
+    assert pairs["trained"]["loss"] < pairs["fresh"]["loss"], pairs
+    adapter = ZoomAdapter.from_pretrained(run / "adapter")
+    assert isinstance(adapter.modules, InputCorrection)
+    assert adapter.config.hyper["design"] == "pca_correction" and adapter.config.hyper["correction_rank"] == 4
+    assert adapter.modules.mix_out.abs().sum() > 0  # trained away from the identity
+    model, _ = load_model("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(120, 100))
+    cache = ZoomCache(model, adapter.make_method(), 40)
+    out = greedy(model, ids, mask, cache, new=8)
+    assert out.sequences.shape[1] == ids.shape[1] + 8
+    assert any("proj_basis" in layer.device_tier for layer in cache.layers if hasattr(layer, "device_tier"))

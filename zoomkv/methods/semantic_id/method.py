@@ -52,7 +52,9 @@ then one more merge frees ``chunk`` (≈ 1/8 of the unprotected) slots.
 projector is its similarity-preserving initialisation, computed per sequence and KV head from the rows
 being merged at the layer's first compression: the top ``sem_dim`` principal directions of the normalised
 K‖V rows. That initialisation computes exactly ``U(x - μ)``, so that is what is evaluated; its basis
-(``proj_mean``, ``proj_basis``) stays on the device tier so later merges hash into the same space.
+(``proj_mean``, ``proj_basis``) stays on the device tier so later merges hash into the same space. A
+trained ``InputCorrection`` (adapter design ``pca_correction``) keeps that per-sequence PCA and reshapes
+only its input; a trained ``SemanticProjector`` (design ``projector``) replaces it with one learned map.
 
 Memory: per group slot the device tier also holds the key variance (head_dim float32), the count, the
 state, the newest member and a protected flag — metadata counted in bytes (not in rows, as Quest's page
@@ -84,7 +86,7 @@ from zoomkv.methods.semantic_id.merging import (
     simhash_ids,
     token_hints,
 )
-from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector, pca_basis, semantic_input
 from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query, kv_rows
 from zoomkv.protocol.recallable import append_host_rows, host_length, store_host_rows
 
@@ -186,16 +188,17 @@ class SemanticID(KVMethod):
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):
         super().__init__(config, **overrides)
-        self._projector: SemanticProjector | None = None
+        self._projector: SemanticProjector | InputCorrection | None = None
         if self.config.projector:
             self.attach_adapter(_load_projector(self.config.projector))
 
     def attach_adapter(self, module: torch.nn.Module | None) -> None:
-        """Use a trained projector (shared by every layer and KV head), or None for the PCA initialisation.
+        """Use a trained projector (shared by every layer and KV head), a trained correction of the input
+        the per-sequence PCA is fitted to (``InputCorrection``), or None for the PCA initialisation alone.
         ``ZoomAdapter.make_method`` hands a ``semantic_id`` adapter's modules over through this."""
-        if module is not None and not isinstance(module, SemanticProjector):
-            raise ConfigError(f"semantic_id takes a SemanticProjector, not {type(module).__name__}")
-        if module is not None and module.sem_dim != self.config.sem_dim:
+        if module is not None and not isinstance(module, SemanticProjector | InputCorrection):
+            raise ConfigError(f"semantic_id takes a SemanticProjector or an InputCorrection, not {type(module).__name__}")
+        if isinstance(module, SemanticProjector) and module.sem_dim != self.config.sem_dim:
             raise ConfigError(f"the projector gives {module.sem_dim} semantic dims, the config asks {self.config.sem_dim}")
         self._projector = module
 
@@ -463,12 +466,15 @@ class SemanticID(KVMethod):
     def _semantic(self, memory: LayerMemory, items: _Items, live: torch.Tensor, first: bool) -> torch.Tensor:
         """Semantic vectors ``[b, h, G, s]`` of the items' K‖V."""
         x = semantic_input(items.keys, items.values)
-        if self._projector is not None:
-            if self._projector.in_dim != x.shape[-1]:
+        module = self._projector
+        if module is not None:
+            if module.in_dim != x.shape[-1]:
                 raise ConfigError(
-                    f"the semantic projector takes {self._projector.in_dim} inputs, this model's K‖V has {x.shape[-1]}")
+                    f"the semantic projector takes {module.in_dim} inputs, this model's K‖V has {x.shape[-1]}")
             with torch.no_grad():
-                return self._projector.to(x.device).float()(x)
+                if isinstance(module, SemanticProjector):
+                    return module.to(x.device).float()(x)
+                x = module.to(x.device).float()(x)  # an InputCorrection: the PCA below is fitted to its output
         tier = memory.device_tier
         if first or "proj_basis" not in tier:
             mean, basis = pca_basis(x, live.float(), min(self.config.sem_dim, x.shape[-1]))

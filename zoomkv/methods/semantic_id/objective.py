@@ -14,8 +14,13 @@ Loss (recipe key ``loss``): ``pairs``, class-balanced binary cross-entropy of ea
 probability against its label; or ``neighbours``, listwise: each row's other rows ranked by semantic
 similarity as the teacher's logit gap ranks them (equivalence is rare, ~0.03% of pairs on SmolLM2, so the
 label-wise loss mostly pushes pairs apart; the ranking keeps the nearest rows the most equivalent ones).
-The start is the PCA of cached K‖V rows (similarity-preserving, deterministic), as the method uses
-without training.
+
+What is trained (recipe key ``design``): ``projector``, one ``SemanticProjector`` shared by every sequence,
+layer and head, started from the PCA of cached K‖V rows (similarity-preserving, deterministic); or
+``pca_correction``, an ``InputCorrection`` of K‖V before the PCA the method fits to each sequence and head
+(started as the identity, so exactly the untrained method). For the correction, each step fits that PCA
+the way the method does (to every row the cached queries see, sinks left out), holds the basis fixed and
+lets the gradient reach the correction through the corrected rows.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
 from zoomkv.methods.semantic_id.method import SemanticID, SemanticIDConfig
-from zoomkv.methods.semantic_id.projector import SemanticProjector, pca_basis, semantic_input
+from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector, pca_basis, semantic_input
 from zoomkv.protocol.method import check_hyperparameters
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample
 
 LOSSES = ("pairs", "neighbours")
+DESIGNS = ("projector", "pca_correction")
 METHOD_KEYS = ("sem_dim", "hidden", "id_bits", "key_threshold", "value_threshold", "recall_threshold")
 
 
@@ -54,9 +60,15 @@ class SemanticIDRecipe(RecipeOptions):
     # equivalent ones even where no pair passes the strict test
     loss: str = "pairs"
     neighbour_temperature: float = 0.1  # the student's softmax over cosine similarities (neighbours loss)
+    # projector: one trained map replaces the per-sequence PCA; pca_correction: the per-sequence PCA stays and
+    # a trained correction of its input (x ⊙ (1 + gain) + x A B, rank correction_rank) reshapes what it sees
+    design: str = "projector"
+    correction_rank: int = 8
 
     def __post_init__(self) -> None:
         self.require("loss", self.loss in LOSSES, f"one of {LOSSES}")
+        self.require("design", self.design in DESIGNS, f"one of {DESIGNS}")
+        self.require("correction_rank", 0 <= self.correction_rank <= 256, "in [0, 256]")
         self.require("neighbour_temperature", 0 < self.neighbour_temperature <= 10, "in (0, 10]")
         self.require("sem_dim", self.sem_dim >= 1, ">= 1")
         self.require("sem_hidden", self.sem_hidden >= 2 * self.sem_dim, f">= 2 * sem_dim ({2 * self.sem_dim})")
@@ -122,8 +134,23 @@ def neighbour_loss(sem: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return kl.masked_fill(eye, 0.0).sum(-1).mean()
 
 
-def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], layers: list[int], mcfg: SemanticIDConfig,
-              rows: int, seed: int, loss: str = "pairs",
+def student_semantic(modules: SemanticProjector | InputCorrection, keys: torch.Tensor, values: torch.Tensor,
+                     idx: torch.Tensor, visible: slice, sem_dim: int) -> torch.Tensor:
+    """The semantic vectors ``[S, s]`` the method would give rows ``idx`` of one KV head (``keys``/``values``
+    ``[T, d]``). A projector maps them directly; under an input correction the method's per-sequence PCA is
+    fitted to the corrected ``visible`` rows (no gradient through the basis) and the sampled rows, corrected
+    with gradient, are projected on it."""
+    x = semantic_input(keys[idx], values[idx])
+    if isinstance(modules, SemanticProjector):
+        return modules(x)
+    with torch.no_grad():
+        fitted = modules(semantic_input(keys[visible], values[visible]))
+        mean, basis = pca_basis(fitted, None, min(sem_dim, fitted.shape[-1]))
+    return (modules(x) - mean) @ basis.T
+
+
+def step_loss(projector: SemanticProjector | InputCorrection, sample: dict[str, torch.Tensor], layers: list[int],
+              mcfg: SemanticIDConfig, rows: int, seed: int, loss: str = "pairs",
               temperature: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
     sigma = math.acosh(1.0 / mcfg.recall_threshold)
     scaling = float(sample["scaling"])
@@ -144,7 +171,7 @@ def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], lay
             k, v = keys[h, idx], values[h, idx]
             q = queries[h * group : (h + 1) * group].reshape(-1, queries.shape[-1])
             target = pair_targets(k, v, q, scaling, sigma, mcfg.value_threshold)[off_diag].float()
-            sem = projector.project(k, v)
+            sem = student_semantic(projector, keys[h], values[h], idx, slice(sinks, first_query), mcfg.sem_dim)
             prob = collision_probability(sem, mcfg.id_bits)[off_diag]
             n_pos = target.sum()
             if loss == "neighbours":
@@ -167,14 +194,18 @@ def step_loss(projector: SemanticProjector, sample: dict[str, torch.Tensor], lay
     return loss, logs
 
 
-def hyper(projector: SemanticProjector, cfg: Any) -> dict[str, Any]:
-    """What rebuilds the module and runs the method as trained (ZoomAdapter's ``hyper``)."""
+def hyper(modules: SemanticProjector | InputCorrection, cfg: Any) -> dict[str, Any]:
+    """What rebuilds the module and runs the method as trained (ZoomAdapter's ``hyper``). A projector's
+    hyper-parameters say no ``design`` (so adapters written before the correction existed load unchanged)."""
     mcfg = method_config(cfg)
-    return {k: getattr(mcfg, k) for k in METHOD_KEYS} | {"sem_dim": projector.sem_dim, "hidden": projector.hidden}
+    settings = {k: getattr(mcfg, k) for k in METHOD_KEYS}
+    if isinstance(modules, InputCorrection):
+        return settings | {"design": "pca_correction", "correction_rank": modules.rank}
+    return settings | {"sem_dim": modules.sem_dim, "hidden": modules.hidden}
 
 
 @torch.no_grad()
-def pair_metrics(projector: SemanticProjector, samples: Sequence[Sample], recipe: Any) -> dict[str, float]:
+def pair_metrics(projector: SemanticProjector | InputCorrection, samples: Sequence[Sample], recipe: Any) -> dict[str, float]:
     """Expected collisions of equivalent vs other pairs on the cached samples (all layers, seed fixed)."""
     mcfg = method_config(recipe)
     logs = []
@@ -189,44 +220,58 @@ class SemanticIDTraining(MethodTraining):
     recipe_class = SemanticIDRecipe
     report_name = "pairs"  # collision rates of equivalent vs other pairs, before and after
     size_hint = "lower sem_dim/sem_hidden"
-    module_keys = ("sem_dim", "hidden")
+    module_keys = ("sem_dim", "hidden", "design", "correction_rank")
 
-    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector:
-        """One projector shared by every layer and KV head. The adapter's weights are the projector: a
-        ``projector`` file named in its hyper-parameters is refused, never read."""
+    def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SemanticProjector | InputCorrection:
+        """One module shared by every layer and KV head: the projector, or (``design: pca_correction``) the
+        correction of the per-sequence PCA's input. The adapter's weights are the module: a ``projector``
+        file named in its hyper-parameters is refused, never read."""
         if hyper.get("projector") is not None:
             raise ConfigError("semantic_id adapter: hyper-parameter 'projector' names a file; an adapter's projector "
                               "is its own adapter_model.safetensors (an adapter config may not point elsewhere)")
+        design = hyper.get("design", "projector")
+        if design not in DESIGNS:
+            raise ConfigError(f"semantic_id adapter: design must be one of {DESIGNS}, got {design!r}")
         sizes = {k: v for k, v in hyper.items() if k in ("sem_dim", "hidden")}
         check_hyperparameters(SemanticIDConfig, sizes, "semantic_id")
         cfg = SemanticIDConfig(**sizes)
+        if design == "pca_correction":
+            rank = hyper.get("correction_rank", 8)
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise ConfigError(f"semantic_id adapter: correction_rank must be an integer, got {rank!r}")
+            return InputCorrection(2 * shape.head_dim, rank)
         return SemanticProjector(shape.head_dim, cfg.sem_dim, cfg.hidden)
 
-    def init_modules(self, recipe: Any, shape: ModelShape) -> SemanticProjector:
-        """A projector of the recipe's size (block-pooling init: the PCA start needs the teacher cache)."""
-        return SemanticProjector(shape.head_dim, recipe.options.sem_dim, recipe.options.sem_hidden)
+    def init_modules(self, recipe: Any, shape: ModelShape) -> SemanticProjector | InputCorrection:
+        """The recipe's module: a projector (block-pooling init; the PCA start needs the teacher cache) or the
+        identity correction."""
+        o = recipe.options
+        if o.design == "pca_correction":
+            return InputCorrection(2 * shape.head_dim, o.correction_rank)
+        return SemanticProjector(shape.head_dim, o.sem_dim, o.sem_hidden)
 
-    def prepare(self, modules: SemanticProjector, recipe: Any, samples: Sequence[Sample]) -> None:
-        init_from_cache(modules, samples, seed=recipe.seed)
+    def prepare(self, modules: SemanticProjector | InputCorrection, recipe: Any, samples: Sequence[Sample]) -> None:
+        if isinstance(modules, SemanticProjector):  # a correction starts as the identity, data-free
+            init_from_cache(modules, samples, seed=recipe.seed)
 
     def method_config(self, recipe: Any) -> SemanticIDConfig:
         return method_config(recipe)
 
-    def hyper(self, modules: SemanticProjector, recipe: Any) -> dict[str, Any]:
+    def hyper(self, modules: SemanticProjector | InputCorrection, recipe: Any) -> dict[str, Any]:
         return hyper(modules, recipe)
 
-    def step_loss(self, modules: SemanticProjector, sample: Sample, layers: list[int], recipe: Any, step: int,
+    def step_loss(self, modules: SemanticProjector | InputCorrection, sample: Sample, layers: list[int], recipe: Any, step: int,
                   rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
         return step_loss(modules, sample, layers, method_config(recipe), recipe.options.pair_rows,
                          rng.randrange(2**31), recipe.options.loss, recipe.options.neighbour_temperature)
 
-    def report(self, modules: SemanticProjector, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
+    def report(self, modules: SemanticProjector | InputCorrection, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
         return pair_metrics(modules, samples, recipe)
 
-    def make_method(self, modules: SemanticProjector | None, recipe: Any) -> SemanticID:
+    def make_method(self, modules: SemanticProjector | InputCorrection | None, recipe: Any) -> SemanticID:
         mcfg = method_config(recipe)
         settings = {k: getattr(mcfg, k) for k in METHOD_KEYS}
-        if modules is not None:
+        if isinstance(modules, SemanticProjector):
             settings |= {"sem_dim": modules.sem_dim, "hidden": modules.hidden}
         method = SemanticID(**settings)
         method.attach_adapter(modules)  # None: the per-sequence PCA start the method uses untrained

@@ -161,3 +161,36 @@ class SemanticProjector(nn.Module):
         module = cls(head_dim, sem_dim, hidden, in_dim - head_dim)
         module.load_state_dict(state)
         return module
+
+
+class InputCorrection(nn.Module):
+    """``InputCorrection(in_dim, rank=8)``: a trained correction of K‖V *before* the per-sequence PCA,
+    ``x → x ⊙ (1 + gain) + (x A) B``, so the method keeps the PCA it fits to each sequence and head and
+    training only reshapes the space that PCA is fitted in (one of the projector's designs, recipe key
+    ``design: pca_correction``).
+
+    Starts as the identity (``gain`` and ``B`` zero; ``A`` a fixed block-pooling basis, so the gradient
+    reaches ``B`` from the first step): untrained, the method is exactly its PCA start. ``in_dim`` + 2 ·
+    ``in_dim`` · ``rank`` parameters (2,176 for head_dim 64 at rank 8)."""
+
+    def __init__(self, in_dim: int, rank: int = 8):
+        super().__init__()
+        if in_dim < 1 or not 0 <= rank <= in_dim:
+            raise ConfigError(f"an input correction needs in_dim >= 1 and 0 <= rank <= in_dim, got {in_dim}, {rank}")
+        self.in_dim = in_dim
+        self.rank = rank
+        self.gain = nn.Parameter(torch.zeros(in_dim))
+        self.mix_in = nn.Parameter(torch.zeros(in_dim, rank))
+        self.mix_out = nn.Parameter(torch.zeros(rank, in_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.gain.zero_()
+        self.mix_out.zero_()
+        if self.rank:
+            self.mix_in.copy_(block_basis(self.rank, self.in_dim).T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_dim]`` (see ``semantic_input``) → the corrected ``[..., in_dim]``."""
+        return x * (1.0 + self.gain) + (x @ self.mix_in) @ self.mix_out
