@@ -101,3 +101,18 @@ def test_cli_takes_repeated_and_comma_separated_adapters(tmp_path, capsys):
     assert main(["eval", "--model", "tiny-llama", "--adapter", str(tmp_path / "none"), "--tasks", "niah_single_1",
                  "--length", "600", "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "adapter" in capsys.readouterr().err
+
+
+def test_an_adapter_takes_the_variants_methods_take(tmp_path, tiny, saved):
+    """``DIR+int8`` evaluates the adapter with its host tier in int8: its own rows, a smaller host tier, the
+    same device tier; an unknown suffix stays part of the path (and is then not found)."""
+    adapter, folder = saved
+    out = tmp_path / "run"
+    rows = run_eval(_cfg(out, [str(folder), f"{folder}+int8"], methods=[], samples=1), *tiny)
+    label = f"sekv:sekv-tiny@{adapter.config.weights_sha256[:8]}"
+    plain = next(r for r in rows if r["method"] == label)
+    quant = next(r for r in rows if r["method"] == label + "+int8")
+    assert 0 < quant["host_bytes"] < 0.5 * plain["host_bytes"]
+    assert quant["device_bytes"] == plain["device_bytes"]
+    with pytest.raises(AdapterNotFoundError):
+        run_eval(_cfg(tmp_path / "b", [f"{folder}+int3"], methods=[]), *tiny)

@@ -128,7 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
     parser.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
                         help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
-                             "(its own budget when none); repeatable")
+                             "(its own budget when none); repeatable. A suffix +tail / +int8 / +int4 runs it with that "
+                             "variant, as for --methods (DIR+int8: its host tier in int8)")
     parser.add_argument("--batch-size", type=int_option(1), default=1, help="prompts prefilled and decoded together")
     parser.add_argument("--seed", type=int_option(0, 2**32 - 1), default=0, help="seed of the task generators")
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",

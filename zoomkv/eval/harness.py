@@ -78,7 +78,8 @@ class RunSpec:
 
     def to_method_run(self) -> MethodRun:
         if self.adapter is not None:
-            return MethodRun(self.adapter.make_method(**self.kwargs), self.budget, label=self.method)
+            _, options = split_variants("adapter" + "".join("+" + v for v in trailing_variants(self.method)[1]))
+            return MethodRun(self.adapter.make_method(**self.kwargs), self.budget, label=self.method, **options)
         base, options = split_variants(self.method)
         return MethodRun(base, self.budget, dict(self.kwargs), **options)
 
@@ -99,9 +100,10 @@ def adapter_runs(cfg: EvalConfig, budgets: list[str]) -> list[RunSpec]:
     from zoomkv.adapters.model import ZoomAdapter
 
     runs = []
-    for source in dict.fromkeys(cfg.adapters):
+    for spec in dict.fromkeys(cfg.adapters):
+        source, variants = (spec, []) if Path(spec).exists() else trailing_variants(spec)
         adapter = ZoomAdapter.from_pretrained(source)  # errors (missing, corrupt, offline) before the model loads
-        label = adapter_label(adapter, source)
+        label = adapter_label(adapter, source) + "".join("+" + v for v in variants)
         own = [str(Budget.parse(adapter.config.budget))] if adapter.config.budget is not None else []
         chosen = budgets or own
         if not chosen:
@@ -118,6 +120,16 @@ def adapter_runs(cfg: EvalConfig, budgets: list[str]) -> list[RunSpec]:
 # Runtime options any method label can carry: "+tail" (softmax-tail row, recallable methods), "+int8"/"+int4"
 # (KV quantization of the host tier; of the device tier for full, which has no host tier).
 VARIANTS = ("tail", "int8", "int4")
+
+
+def trailing_variants(label: str) -> tuple[str, list[str]]:
+    """``"DIR+int8"`` → ``("DIR", ["int8"])``: the known variants at the end of an adapter's folder or Hub id
+    (or of its row label), so a folder whose own name holds a ``+`` keeps it."""
+    base, variants = label, []
+    while "+" in base and base.rsplit("+", 1)[1] in VARIANTS:
+        base, v = base.rsplit("+", 1)
+        variants.insert(0, v)
+    return base, variants
 
 
 def split_variants(label: str) -> tuple[str, dict[str, Any]]:
