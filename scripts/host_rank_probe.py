@@ -7,7 +7,15 @@ the attention output at the cached query positions is compared with the exact on
 error, averaged over heads and positions, then summarised over layers and samples. ``--exact-sinks N``
 keeps the first N rows exact and fits the directions to the rest.
 
+Two ways to make keys lower-rank, each optional: ``--pre-rope THETA`` truncates the keys before rotary
+position embedding (undone with the model's ``rope_theta``, redone after), where one direction is not smeared
+over every position's rotation; ``--query-weighted`` fits the key directions that lose the least *logit*
+(``q · (k - k̂)``) rather than the least key, by whitening with the second moment of the queries of the even
+cached positions, and measures on the odd ones only (a basis never scored on the queries it was fitted to).
+
     python scripts/host_rank_probe.py checkpoints/sekv-smollm2-quickstart/teacher --ranks 8,16,32,48 --exact-sinks 4
+    python scripts/host_rank_probe.py checkpoints/sekv-smollm2-quickstart/teacher --ranks 16,32 --exact-sinks 4 \
+        --pre-rope 100000 --query-weighted
 """
 
 from __future__ import annotations
@@ -28,15 +36,55 @@ def low_rank(x: torch.Tensor, rank: int, exact: int) -> torch.Tensor:
     return torch.cat([x[:, :exact], truncated(x[:, exact:], gates)], 1)
 
 
-def output_error(sample: dict[str, torch.Tensor], layer: int, rank: int, which: str, exact: int) -> float:
+def rotary(x: torch.Tensor, theta: float, undo: bool = False) -> torch.Tensor:
+    """Rotary position embedding (the Llama convention, rotate-half) of rows ``x`` ``[h, n, d]`` at positions
+    ``0..n-1``; ``undo`` applies the inverse rotation."""
+    n, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    cos, sin = torch.cat([angle, angle], -1).cos().float(), torch.cat([angle, angle], -1).sin().float()
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos - half * sin if undo else x * cos + half * sin
+
+
+def whitening(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S`` and ``S⁻¹`` ``[h, d, d]`` with ``S = M^½``, ``M`` the second moment of ``queries`` ``[h, m, d]``
+    (plus a small ridge): ``|q · e|²`` summed over the queries is ``|e S|²``."""
+    m = queries.transpose(-1, -2) @ queries / queries.shape[1]
+    m = m + 1e-4 * m.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(m.shape[-1])
+    vals, vecs = torch.linalg.eigh(m.double())
+    root = (vecs * vals.sqrt()[:, None, :]) @ vecs.transpose(-1, -2)
+    inv = (vecs * vals.rsqrt()[:, None, :]) @ vecs.transpose(-1, -2)
+    return root.float(), inv.float()
+
+
+def approx_keys(keys: torch.Tensor, rank: int, exact: int, theta: float | None,
+                fit_queries: torch.Tensor | None) -> torch.Tensor:
+    x = rotary(keys, theta, undo=True) if theta else keys
+    if fit_queries is not None:
+        if theta:  # the logit q·k is unchanged when both are rotated back by each one's own position
+            raise SystemExit("--query-weighted with --pre-rope needs each query's position; use one at a time")
+        root, inv = whitening(fit_queries)
+        x = low_rank(x @ root, rank, exact) @ inv
+    else:
+        x = low_rank(x, rank, exact)
+    return rotary(x, theta) if theta else x
+
+
+def output_error(sample: dict[str, torch.Tensor], layer: int, rank: int, which: str, exact: int,
+                 theta: float | None = None, query_weighted: bool = False) -> float:
     scaling = float(sample["scaling"])
     keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
     queries = sample[f"q.{layer}"].float()
     h = keys.shape[0]
-    approx_k = low_rank(keys, rank, exact) if "k" in which else keys
+    positions = sample["positions"].tolist()
+    scored = range(1, len(positions), 2) if query_weighted else range(len(positions))
+    fit = queries[:, 0::2].reshape(h, -1, keys.shape[-1]) if query_weighted else None
+    approx_k = approx_keys(keys, rank, exact, theta, fit) if "k" in which else keys
     approx_v = low_rank(values, rank, exact) if "v" in which else values
     errors = []
-    for p, t in enumerate(sample["positions"].tolist()):
+    for p in scored:
+        t = positions[p]
         n = t + 1
         q = queries[:, p].view(h, -1, keys.shape[-1])
 
@@ -55,6 +103,10 @@ def main() -> None:
     parser.add_argument("--ranks", default="8,16,32,48")
     parser.add_argument("--samples", type=int, default=3, help="the last N cached samples")
     parser.add_argument("--exact-sinks", type=int, default=0, help="first rows kept exact")
+    parser.add_argument("--pre-rope", type=float, default=None, metavar="THETA",
+                        help="truncate keys before rotary embedding (the model's rope_theta)")
+    parser.add_argument("--query-weighted", action="store_true",
+                        help="key directions that keep the logits of the even cached queries; scored on the odd ones")
     args = parser.parse_args()
     torch.set_num_threads(1)
     paths = sorted(args.teacher.glob("sample_*.safetensors"))[-args.samples:]
@@ -65,7 +117,8 @@ def main() -> None:
     samples = [load_sample(p) for p in paths]
     for rank in (int(r) for r in args.ranks.split(",")):
         for which in ("k", "v", "kv"):
-            errs = torch.tensor([output_error(s, layer, rank, which, args.exact_sinks)
+            errs = torch.tensor([output_error(s, layer, rank, which, args.exact_sinks, args.pre_rope,
+                                              args.query_weighted)
                                  for s in samples for layer in s["layers"].tolist()])
             print(f"| {rank} | {which} | {errs.mean():.3f} | {errs.median():.3f} | {errs.max():.3f} |")
 
