@@ -67,12 +67,17 @@ def _pair_weights(
         weight.add_((same & (weight >= 0)).float().mul_(TIER))
     if count is not None and size_cap is not None:
         too_big = (count[:, :, start:end, None] + count[:, :, None, :]) > size_cap
-        weight.sub_(too_big.float().mul_(TIER))
-    cols = torch.arange(g, device=kn.device)
-    here = torch.arange(start, end, device=kn.device)[:, None]
-    blocked = cols[None, :] >= here if earlier_only else cols[None, :] == here  # [c, G]
-    blocked = blocked | ~mergeable[:, :, start:end, None] | ~mergeable[:, :, None, :]
-    return weight.masked_fill_(blocked, NEG_INF)
+        torch.sub(weight, too_big.to(weight.dtype), alpha=TIER, out=weight)
+    # Blocked pairs as broadcast in-place fills, never a [c, G] mask per KV head: these blocks are the
+    # method's largest tensors and every extra pass over them costs as much as the matmul.
+    weight.masked_fill_(~mergeable[:, :, None, :], NEG_INF)
+    weight.masked_fill_(~mergeable[:, :, start:end, None], NEG_INF)
+    if earlier_only:
+        cols = torch.arange(g, device=kn.device)
+        here = torch.arange(start, end, device=kn.device)[:, None]
+        return weight.masked_fill_(cols[None, :] >= here, NEG_INF)
+    weight.diagonal(offset=start, dim1=-2, dim2=-1).fill_(NEG_INF)  # row i of the block is group start + i
+    return weight
 
 
 def best_partners(
@@ -147,8 +152,11 @@ def greedy_matching(
     for _ in range(passes):
         if not bool((left > 0).any()):
             break
-        masked = weight.masked_fill(~(free[..., :, None] & free[..., None, :]), NEG_INF)
-        best_w, best_j = masked.max(dim=-1)
+        # Matched groups leave as columns in place (the matrix is not needed afterwards) and as rows after
+        # the max: the same pairs as masking both in a copy, without a [G, G] mask or copy per pass.
+        weight.masked_fill_(~free[..., None, :], NEG_INF)
+        best_w, best_j = weight.max(dim=-1)
+        best_w.masked_fill_(~free, NEG_INF)
         step = mutual_pairs(best_j, best_w, left)
         joined = step != ar  # the later group of each new pair
         if not bool(joined.any()):
