@@ -78,7 +78,7 @@ class RunSpec:
 
     def to_method_run(self) -> MethodRun:
         if self.adapter is not None:
-            _, options = split_variants("adapter" + "".join("+" + v for v in trailing_variants(self.method)[1]))
+            options = variant_options(self.adapter.config.method, trailing_variants(self.method)[1])
             return MethodRun(self.adapter.make_method(**self.kwargs), self.budget, label=self.method, **options)
         base, options = split_variants(self.method)
         return MethodRun(base, self.budget, dict(self.kwargs), **options)
@@ -134,16 +134,22 @@ def trailing_variants(label: str) -> tuple[str, list[str]]:
 
 def split_variants(label: str) -> tuple[str, dict[str, Any]]:
     base, *variants = label.split("+")
-    options: dict[str, Any] = {}
     for v in variants:
         if v not in VARIANTS:
             raise ZoomKVError(f"unknown method variant '+{v}' in {label!r}; valid: {', '.join('+' + x for x in VARIANTS)}")
+    return base, variant_options(base, variants)
+
+
+def variant_options(base: str, variants: list[str]) -> dict[str, Any]:
+    """The ``MethodRun`` options of known variants (``tail``, ``int8``, ``int4``) of method ``base``."""
+    options: dict[str, Any] = {}
+    for v in variants:
         if v == "tail":
             options["tail_summary"] = True
         else:
             options["kv_quant"] = v
             options["kv_quant_tiers"] = "all" if base == "full" else "host"
-    return base, options
+    return options
 
 
 @dataclass
