@@ -61,6 +61,25 @@ def test_dry_run_prints_the_fraction_last_without_weights(capsys):
     assert 0 < float(last.split("=")[1]) < 0.0005
 
 
+def test_overrides_may_follow_the_flags(capsys):
+    """``key=value`` overrides on both sides of ``--dry-run`` all apply, in order; an unknown flag or a bare
+    word after them is still refused in one line."""
+    from zoomkv.cli import _parse, build_parser
+    from zoomkv.cli import main as zoomkv_main
+
+    argv = ["--recipe", str(TINY), "steps=3", "--dry-run", "steps=7", "lr=0.5"]
+    assert _parse(build_parser(), ["train", *argv]).overrides == ["steps=3", "steps=7", "lr=0.5"]
+    assert main(argv) == 0
+    assert zoomkv_main(["train", *argv]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        zoomkv_main(["train", "--recipe", str(TINY), "--dry-run", "--nope"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --nope (see zoomkv --help)")
+    assert zoomkv_main(["train", "--recipe", str(TINY), "--dry-run", "steps"]) == 2
+    assert capsys.readouterr().err.strip() == "zoomkv: error: overrides are key=value, got 'steps'"
+
+
 REAL_MODEL_RECIPES = [p for p in SHIPPED if p.parent.name in ("smollm2-135m", "llama-3-8b")]
 
 

@@ -90,9 +90,22 @@ def _run(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Nam
         return 130
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argparse, except that a command's ``key=value`` overrides may come on either side of its flags
+    (``train --recipe R run_name=a --eval-only eval_samples=20``): plain argparse takes the positionals
+    before a flag only and refuses the rest."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     return _run(parser.prog, args.func, args)
 
 
@@ -102,7 +115,7 @@ def run_command(name: str, argv: list[str] | None = None, *, prog: str) -> int:
     module, help_text = _command(name)
     parser = Parser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **_help_parts(module, help_text))
     module.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     return _run(parser.prog, module.run, args)
 
 
