@@ -169,8 +169,9 @@ class InputCorrection(nn.Module):
     training only reshapes the space that PCA is fitted in (one of the projector's designs, recipe key
     ``design: pca_correction``).
 
-    Starts as the identity (``gain`` and ``B`` zero; ``A`` a fixed block-pooling basis, so the gradient
-    reaches ``B`` from the first step): untrained, the method is exactly its PCA start. ``in_dim`` + 2 ·
+    Starts as the identity (``gain`` and ``B`` zero; ``A`` starts as a block-pooling basis, deterministic and
+    non-zero, so the gradient reaches ``B`` from the first step): untrained, the method is exactly its PCA
+    start. ``in_dim`` + 2 ·
     ``in_dim`` · ``rank`` parameters (2,176 for head_dim 64 at rank 8)."""
 
     def __init__(self, in_dim: int, rank: int = 8):
