@@ -24,6 +24,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from zoomkv.methods.sekv.host import truncated
 from zoomkv.train.teacher import load_sample
@@ -42,9 +43,9 @@ def rotary(x: torch.Tensor, theta: float, undo: bool = False) -> torch.Tensor:
     n, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-    cos, sin = torch.cat([angle, angle], -1).cos().float(), torch.cat([angle, angle], -1).sin().float()
-    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return x * cos - half * sin if undo else x * cos + half * sin
+    emb = torch.cat([angle, angle], -1)
+    cos, sin, turned = emb.cos().float(), emb.sin().float(), rotate_half(x)
+    return x * cos - turned * sin if undo else x * cos + turned * sin
 
 
 def whitening(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
