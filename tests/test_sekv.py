@@ -21,6 +21,7 @@ from zoomkv.methods.sekv.codes import BITS, code_bytes, decode, encode, levels, 
 from zoomkv.methods.sekv.method import SeKV, pick_anchors, split_budget
 from zoomkv.methods.sekv.modules import SeKVAdapter
 from zoomkv.models import load_model
+from zoomkv.protocol import rotary
 from zoomkv.protocol.method import PrefillContext
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
@@ -32,14 +33,15 @@ def config():
     return load_model("tiny-llama")[0].config
 
 
-def _memory(config, method, keys, values, surprisal, budget, valid=None):
+def _memory(config, method, keys, values, surprisal, budget, valid=None, rotary_table=None):
     cache = ZoomCache(config, method, budget)
     memory = cache.layers[0]
     memory.lazy_initialization(keys, values)
     memory.seen = keys.shape[2]
     ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values,
                          queries=torch.zeros(keys.shape[0], H * G, keys.shape[2], D), valid=valid, budget=budget,
-                         scaling=D**-0.5, num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=surprisal)
+                         scaling=D**-0.5, num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=surprisal,
+                         rotary=rotary_table)
     method.compress(memory, ctx)
     return memory
 
@@ -312,6 +314,46 @@ def test_the_second_stage_rescores_candidates_with_the_host_tiers_finer_codes(co
     assert torch.allclose(scores[0::2], scores[target])  # one bit cannot tell the target from any even row
 
 
+def _low_rank_before_rope(t, rank, table, pad=0, seed=0):
+    """Keys of rank ``rank`` before RoPE (sinks far off it), rotated at positions ``-pad .. t - pad - 1``."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(H, rank, D, generator=g)
+    before = torch.matmul(torch.randn(1, H, t, rank, generator=g), basis) + 0.5
+    before[:, :, pad:pad + 4] = torch.randn(1, H, 4, D, generator=g) * 20  # the sinks: outliers of their own
+    cos, sin = rotary.angles((torch.arange(t) - pad).clamp_min(0)[None, None], *table)
+    return rotary.apply(before, cos, sin)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_rank_gates_before_rope_recall_low_rank_keys_exactly(config, pad):
+    table = (1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0)
+    t = 120
+    keys = _low_rank_before_rope(t, 4, table, pad)
+    values = torch.randn(1, H, t, D)
+    valid = (torch.arange(t) >= pad)[None] if pad else None
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, 4:] = -1.0  # keys: 4 of 16 principal directions; values: all
+    query = torch.randn(1, H * G, 1, D)
+    errors = {}
+    for basis in ("pre_rope", "post_rope"):
+        method = SeKV(adapter=adapter, host_key_basis=basis, host_exact_sinks=True)
+        memory = _memory(config, method, keys, values, torch.zeros(1, t), budget=40, valid=valid,
+                         rotary_table=table)
+        assert memory.host_tier["keys"].view().shape == (1, H, t, 4)
+        # a generated row (position t - pad) joins the same way
+        nxt = _low_rank_before_rope(t + 1, 4, table, pad)[:, :, -1:]
+        method.append(memory, nxt, values[:, :, :1])
+        recalled, _ = method._recall(memory, None)
+        truth = torch.cat([keys, nxt], 2)
+        err = (recalled - truth)[:, :, pad:].abs().max()
+        errors[basis] = float(err)
+        sinks = recalled[:, :, pad:pad + 4]
+        assert torch.equal(sinks, keys[:, :, pad:pad + 4])  # the sinks stay exact either way
+    assert errors["pre_rope"] < 1e-3  # rank 4 before RoPE: the 4 directions hold every key
+    assert errors["post_rope"] > 0.1  # after RoPE each position turns the keys: rank 4 is not enough
+
+
 def test_rank_gates_keep_the_host_rows_in_their_principal_directions(config):
     keys, values, query = _pointed_keys(t=200, target=70)
     adapter = SeKVAdapter(4, H, D)
@@ -339,3 +381,23 @@ def test_rank_gates_keep_the_host_rows_in_their_principal_directions(config):
     # a context that fits the budget stays exact whatever the gates (B >= context is full attention)
     small = _memory(config, method, keys[:, :, :30], values[:, :, :30], torch.zeros(1, 30), budget=40)
     assert small.host_tier["keys"].view().shape == (1, H, 30, D)
+
+
+def test_training_truncates_the_host_rows_as_inference_recalls_them(config):
+    from zoomkv.methods.sekv.host import truncated
+
+    table = (1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0)
+    t = 90
+    keys = _low_rank_before_rope(t, 6, table) + 0.05 * torch.randn(1, H, t, D)
+    values = torch.randn(1, H, t, D)
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, 5:] = -1.0
+        adapter.rank_gate[0, 1, 9:] = -1.0
+    method = SeKV(adapter=adapter, host_key_basis="pre_rope", host_exact_sinks=True)
+    memory = _memory(config, method, keys, values, torch.zeros(1, t), budget=40, rotary_table=table)
+    rk, rv = method._recall(memory, None)
+    gates = (adapter.rank_gate[0] > 0).float()
+    rope = rotary.angles(torch.arange(t), *table)
+    assert torch.allclose(truncated(keys[0], gates[0], 4, rope), rk[0], atol=1e-4)
+    assert torch.allclose(truncated(values[0], gates[1], 4), rv[0], atol=1e-4)

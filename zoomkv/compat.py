@@ -95,3 +95,37 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if get_decoder is not None else None
     return getattr(decoder, "norm", None)
+
+
+def rotary_frequencies(config: Any, layer_idx: int) -> tuple[torch.Tensor, float] | None:
+    """Layer ``layer_idx``'s rotary position embedding as the model computes it: ``(inv_freq [head_dim / 2],
+    attention_scaling)``, so ``cos = cos(pos · inv_freq) · scaling`` (rotate-half layout); None when the layer's
+    RoPE is not a static table this can rebuild (no RoPE, a partial rotary dimension, a dynamic type).
+
+    Read from the config with transformers' own initialisers (per layer type where the model has one
+    table per type, as Gemma 3 has), so it needs no weights."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    text = text_config(config)
+    params = getattr(text, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    types = layer_types(text)
+    layer_type = types[layer_idx] if layer_idx < len(types) else None
+    per_type = layer_type in params and isinstance(params[layer_type], dict)
+    own = params[layer_type] if per_type else params
+    if not isinstance(own, dict) or own.get("partial_rotary_factor", 1.0) != 1.0:
+        return None
+    kind = own.get("rope_type", "default")
+    if kind == "default":
+        dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        theta = own.get("rope_theta")
+        if not isinstance(theta, int | float) or theta <= 0:
+            return None
+        # float32 throughout, as the models' own default initialisers compute it: the same table to the bit
+        return 1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if kind.startswith("dynamic") or kind not in ROPE_INIT_FUNCTIONS:  # recomputed per length at run time
+        return None
+    init = ROPE_INIT_FUNCTIONS[kind]
+    inv_freq, scaling = init(text, None, layer_type=layer_type) if per_type else init(text, None)
+    return inv_freq.float(), float(scaling)

@@ -130,6 +130,7 @@ def zoomkv_attention_forward(
             input_ids=cache.prompt_ids,
             tokenizer=cache.tokenizer,
             model_name=cache.model_name,
+            rotary=cache.rotary.get(layer_idx),
         )
         recorder = getattr(cache, "recorder", None)
         if recorder is not None:  # zoomkv.memory.replay: keep what compress saw, to replay other methods

@@ -172,6 +172,8 @@ class ZoomCache(Cache):
         self.num_layers_total = len(layers)
         self.zoom_layer_indices = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LayerMemory))
         self.num_zoom_layers = len(self.zoom_layer_indices)
+        # Each compressed layer's rotary table (PrefillContext.rotary), for methods that work before RoPE.
+        self.rotary = {i: compat.rotary_frequencies(config, i) for i in self.zoom_layer_indices}
         super().__init__(layers=layers)
         if hasattr(model_or_config, "config"):
             attach(model_or_config)

@@ -91,7 +91,8 @@ def cache_from_record(
             # Methods may keep (and later update in place) what they are handed: give each its own copy.
             ctx = dataclasses.replace(ctx, keys=ctx.keys.clone(), values=ctx.values.clone(), budget=resolved,
                                       zoom_layers=cache.zoom_layer_indices, input_ids=record.input_ids,
-                                      tokenizer=tokenizer, model_name=cache.model_name, surprisal=surprisal)
+                                      tokenizer=tokenizer, model_name=cache.model_name, surprisal=surprisal,
+                                      rotary=cache.rotary.get(i))
             layer.lazy_initialization(ctx.keys, ctx.values)
             layer.seen = record.length
             note_peak(layer, ctx.keys.nbytes + ctx.values.nbytes, ctx.keys.shape[2])  # as a live prefill holds it

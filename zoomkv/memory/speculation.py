@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from zoomkv.protocol.rotary import rotate_half
+
 
 @dataclass
 class AttentionInput:
@@ -33,11 +35,6 @@ def capture(cache: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, 
     cache.attention_inputs[module.layer_idx] = AttentionInput(module, hidden[:, -1:].detach(), cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def speculative_query(own: AttentionInput, hidden: torch.Tensor) -> torch.Tensor:
     """``[b, heads, 1, head_dim]``: the post-RoPE query ``own.module`` would compute from ``hidden``
     (``[b, 1, hidden]``) at this step (q_proj, then q_norm where the model has one, then RoPE)."""
@@ -51,4 +48,4 @@ def speculative_query(own: AttentionInput, hidden: torch.Tensor) -> torch.Tensor
     if own.cos is None:
         return q
     cos, sin = own.cos[:, None].to(q.dtype), own.sin[:, None].to(q.dtype)
-    return q * cos + _rotate_half(q) * sin
+    return q * cos + rotate_half(q) * sin

@@ -58,6 +58,9 @@ class PrefillContext:
     tokenizer: Any = None  # the model's tokenizer when the caller gave ZoomCache one (token classes, punctuation)
     model_name: str | None = None  # what the model was loaded as (calibration profiles are keyed on it)
     surprisal: torch.Tensor | None = None  # [batch, T] nats, only for methods with needs_surprisal
+    # the layer's rotary table (inv_freq [head_dim / 2], scaling; zoomkv.protocol.rotary), for methods that
+    # work on keys before RoPE; None when the model's RoPE is not one the runtime can rebuild
+    rotary: tuple[torch.Tensor, float] | None = None
 
 
 @dataclass

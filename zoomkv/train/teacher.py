@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from zoomkv import compat
 from zoomkv.data.training import Sample
 from zoomkv.memory.replay import record_prefill, record_surprisal
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: each layer's rotary table
 
 
 def encode(tokenizer, text: str) -> torch.Tensor:
@@ -57,6 +58,10 @@ def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recen
         out[f"v.{layer}"] = ctx.values[0].half().contiguous()
         out[f"q.{layer}"] = ctx.queries[0][:, cands[chosen]].float().contiguous()
         out[f"attn.{layer}"] = probs_by_layer[layer][:, chosen].half().contiguous()
+        table = compat.rotary_frequencies(model.config, layer)
+        if table is not None:  # the keys' RoPE, for objectives that work on keys before it
+            out[f"rotary_inv_freq.{layer}"] = table[0].contiguous()
+            out[f"rotary_scaling.{layer}"] = torch.tensor(table[1])
     out["scaling"] = torch.tensor(record.contexts[layers[0]].scaling)
     return out
 

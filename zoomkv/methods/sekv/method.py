@@ -44,6 +44,7 @@ from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv.codes import BITS, encode, rotation, score_codes
 from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
+from zoomkv.protocol import rotary
 from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
 from zoomkv.protocol.recallable import (
     RecallableMethod,
@@ -56,7 +57,8 @@ from zoomkv.protocol.recallable import (
     store_host_rows,
 )
 
-TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
+TAIL = "sekv_tail"
+HOST_KEY_BASES = ("pre_rope", "post_rope")  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
 
 
 @dataclass
@@ -80,6 +82,17 @@ class SeKVConfig(MethodConfig):
     candidates: float = field(
         default=4.0, metadata={"help": "candidates per recalled row the first stage passes to the rescoring"}
     )
+    # The next two only matter under rank gates that drop directions. Their defaults are what adapters saved
+    # before they existed were trained for; recipes default to the other values (SeKVRecipe).
+    host_key_basis: str = field(
+        default="post_rope", metadata={"help": "where the rank-gated host tier takes the keys' principal directions: "
+                                              "'pre_rope' (rotated back by position, where keys are low-rank; "
+                                              "'post_rope' when the model's RoPE cannot be rebuilt) or 'post_rope'"}
+    )
+    host_exact_sinks: bool = field(
+        default=False, metadata={"help": "keep the sink rows exact on the device tier under rank gates (they sit "
+                                         "far from the other rows' directions and take most of the attention)"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
@@ -94,6 +107,8 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"rescore_bits must be 0 or one of {BITS}, got {self.rescore_bits}")
         if not 1 <= self.candidates <= 64:
             raise ConfigError(f"candidates must be in [1, 64], got {self.candidates}")
+        if self.host_key_basis not in HOST_KEY_BASES:
+            raise ConfigError(f"host_key_basis must be one of {HOST_KEY_BASES}, got {self.host_key_basis!r}")
 
 
 def split_budget(total: int, shares: Sequence[float], low: int) -> list[int]:
@@ -259,7 +274,9 @@ class SeKV(RecallableMethod):
     def _store_host(self, memory, ctx: PrefillContext, layer: int, key_mean: torch.Tensor, valid: torch.Tensor,
                     compressed: bool) -> None:
         """Every row on the host tier: as it is, or (rank gates that drop directions, on a context that is
-        compressed) its coordinates along the directions kept, the directions on the device tier."""
+        compressed) its coordinates along the directions kept, the directions on the device tier. Keys are
+        taken before RoPE when ``host_key_basis='pre_rope'`` (and the model's RoPE is known), and with
+        ``host_exact_sinks`` the sink rows stay exact on the device tier, out of the principal directions' fit."""
         keep_k, keep_v = self._kept_directions(layer)
         quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
         memory.meta["low_rank"] = {}
@@ -268,26 +285,57 @@ class SeKV(RecallableMethod):
             # --kv-quant the rows are quantized instead
             store_host_rows(memory, ctx)
             return
+        c = self.config
         host, dev = memory.host_tier, memory.device_tier
-        for name, rows, mean, keep in (("keys", ctx.keys, key_mean, keep_k),
-                                       ("values", ctx.values, None, keep_v)):
+        b, _, t, _ = ctx.keys.shape
+        fit = valid
+        if c.host_exact_sinks and c.sinks:
+            sinks = (valid.float().argmax(1, keepdim=True) + torch.arange(c.sinks, device=valid.device)).clamp_max(t - 1)
+            dev["exact_sink_pos"] = sinks
+            at = sinks[:, None, :, None]
+            dev["exact_sink_keys"] = ctx.keys.gather(2, at.expand(-1, ctx.keys.shape[1], -1, ctx.keys.shape[-1]))
+            dev["exact_sink_values"] = ctx.values.gather(
+                2, at.expand(-1, ctx.values.shape[1], -1, ctx.values.shape[-1]))
+            fit = valid.clone()
+            fit.scatter_(1, sinks, False)
+        keys = ctx.keys
+        if keep_k is not None and c.host_key_basis == "pre_rope" and ctx.rotary is not None:
+            inv_freq, scale = ctx.rotary
+            dev["rope_inv_freq"] = inv_freq.to(keys.device)
+            dev["pad"] = (~valid).sum(1)  # left padding: row i sits at position i - pad
+            memory.meta["rope_scaling"] = scale
+            keys = rotary.undo(keys.float(), *self._angles(memory, torch.arange(t, device=keys.device)[None, None]))
+            key_mean = None
+        for name, rows, mean, keep in (("keys", keys, key_mean, keep_k), ("values", ctx.values, None, keep_v)):
             if keep is None:
-                host[name] = memory.host_rows(rows)
+                host[name] = memory.host_rows(getattr(ctx, name))
                 continue
-            mean = masked_mean(rows.float(), valid) if mean is None else mean
-            directions = principal_directions(rows.float() - mean, valid)[:, :, keep.to(rows.device)]
+            mean = masked_mean(rows.float(), fit) if mean is None or fit is not valid else mean
+            directions = principal_directions(rows.float() - mean, fit)[:, :, keep.to(rows.device)]
             dev[f"{name}_directions"], dev[f"{name}_mean"] = directions, mean
-            host[name] = memory.host_rows(project(rows, mean, directions).to(rows.dtype))
+            host[name] = memory.host_rows(project(rows, mean, directions).to(ctx.keys.dtype))
             memory.meta["low_rank"][name] = True
         if ctx.valid is not None:
             host["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
 
-    def _host_rows(self, memory, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """What the host tier stores of new rows ``rows``: the rows, or their coordinates."""
+    @staticmethod
+    def _angles(memory, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[b, h | 1, k, d]`` of host rows ``rows`` (indices, ``[b | 1, h | 1, k]``) at their positions."""
+        dev = memory.device_tier
+        positions = (rows - dev["pad"][:, None, None]).clamp_min(0)
+        return rotary.angles(positions, dev["rope_inv_freq"], memory.meta["rope_scaling"])
+
+    def _host_rows(self, memory, name: str, rows: torch.Tensor, first: int) -> torch.Tensor:
+        """What the host tier stores of new rows ``rows`` (host rows ``first``, ``first + 1``, ...): the rows,
+        or their coordinates."""
         if not memory.meta["low_rank"].get(name):
             return rows
         dev = memory.device_tier
-        return project(rows, dev[f"{name}_mean"], dev[f"{name}_directions"]).to(rows.dtype)
+        x = rows
+        if name == "keys" and "rope_inv_freq" in dev:
+            at = torch.arange(first, first + rows.shape[2], device=rows.device)[None, None]
+            x = rotary.undo(rows.float(), *self._angles(memory, at))
+        return project(x, dev[f"{name}_mean"], dev[f"{name}_directions"]).to(rows.dtype)
 
     def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = memory.host_tier["keys"].view(), memory.host_tier["values"].view()
@@ -296,6 +344,8 @@ class SeKV(RecallableMethod):
         dev = memory.device_tier
         k = keys.shape[2] if idx is None else idx.shape[2]
         reserve_recall_buffer(memory, k)
+        at_rows = torch.arange(k, device=dev["recall_keys"].device)[None, None] if idx is None else \
+            idx.to(dev["recall_keys"].device)
         out = []
         for name, rows in (("keys", keys), ("values", values)):
             if idx is not None:
@@ -304,18 +354,30 @@ class SeKV(RecallableMethod):
             rows = rows.to(dev["recall_keys"].device, non_blocking=True)
             if memory.meta["low_rank"].get(name):
                 rows = reconstruct(rows, dev[f"{name}_mean"], dev[f"{name}_directions"])
+                if name == "keys" and "rope_inv_freq" in dev:
+                    rows = rotary.apply(rows, *self._angles(memory, at_rows))
+            if "exact_sink_pos" in dev:
+                rows = self._exact_sinks(dev, name, rows, at_rows)
             buf = dev[f"recall_{name}"][:, :, :k]
             buf.copy_(rows)
             out.append(buf)
         return out[0], out[1]
+
+    @staticmethod
+    def _exact_sinks(dev, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (host rows ``at_rows``) with the sink rows among them replaced by their exact copies."""
+        match = at_rows[..., None] == dev["exact_sink_pos"][:, None, None, :]  # [b, h | 1, k, sinks]
+        exact = torch.matmul(match.to(rows.dtype), dev[f"exact_sink_{name}"].to(rows.dtype))  # one match at most
+        return torch.where(match.any(-1, keepdim=True), exact, rows)
 
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
         if memory.meta["low_rank"]:
             host = memory.host_tier
-            host["keys"].append(self._host_rows(memory, "keys", key))
-            host["values"].append(self._host_rows(memory, "values", value))
+            first = host_length(memory)
+            host["keys"].append(self._host_rows(memory, "keys", key, first))
+            host["values"].append(self._host_rows(memory, "values", value, first))
             if "valid" in host:
                 host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
         else:

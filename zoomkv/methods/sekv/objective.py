@@ -35,8 +35,9 @@ import torch
 
 from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
 from zoomkv.methods.sekv.host import truncated
-from zoomkv.methods.sekv.method import SeKV, SeKVConfig
+from zoomkv.methods.sekv.method import HOST_KEY_BASES, SeKV, SeKVConfig
 from zoomkv.methods.sekv.modules import MAX_SEED, SeKVAdapter, build_sekv_modules
+from zoomkv.protocol import rotary
 from zoomkv.protocol.method import check_hyperparameters
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample, finite_at_least
@@ -177,10 +178,11 @@ class Losses:
 
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                     teacher: torch.Tensor, surprisal: torch.Tensor, t: int, scaling: float, budget: int,
-                    cfg: SeKVConfig) -> Losses | None:
+                    cfg: SeKVConfig, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Losses | None:
     """Losses at query position ``t`` of adapter layer ``layer``: ``keys``/``values`` ``[h, T, d]``,
-    ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities. None when the prefix fits the
-    budget (every row is attended: nothing to learn)."""
+    ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities, ``rope``: the rows' ``cos, sin``
+    ``[T, d]`` (for a host tier that takes keys before RoPE). None when the prefix fits the budget (every
+    row is attended: nothing to learn)."""
     n = t + 1
     always = cfg.sinks + cfg.recent
     if n <= budget - 1 or n <= always + 1:
@@ -217,11 +219,22 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
             chosen.scatter_(-1, top, True)
     kx, v = keys[:, :n].float(), values[:, :n].float()
     gates = rank_gates(adapter, layer)
-    stored = (truncated(kx, gates[0]), truncated(v, gates[1]))
+    exact = min(cfg.sinks, n) if cfg.host_exact_sinks else 0
+    stored = (truncated(kx, gates[0], exact, rope if cfg.host_key_basis == "pre_rope" else None),
+              truncated(v, gates[1], exact))
     student_out = summary_output(adapter, layer, kx, v, query, chosen, scaling, stored, summary=cfg.summary_row)
     teacher_out = torch.matmul(a, v)
     out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
     return Losses(rank, anchor, split, out, kept.detach())
+
+
+def sample_rope(sample: Sample, layer: int, length: int, cfg: SeKVConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``cos, sin`` ``[length, d]`` of a cached sample's rows at ``layer`` (positions 0, 1, ...), when the
+    host tier takes keys before RoPE; the teacher cache records each layer's rotary table."""
+    if cfg.host_key_basis != "pre_rope" or f"rotary_inv_freq.{layer}" not in sample:
+        return None
+    return rotary.angles(torch.arange(length), sample[f"rotary_inv_freq.{layer}"].float(),
+                         float(sample[f"rotary_scaling.{layer}"]))
 
 
 @dataclass
@@ -235,6 +248,8 @@ class SeKVRecipe(RecipeOptions):
     summary_row: bool = True
     rescore_bits: int = 4
     candidates: float = 4.0
+    host_key_basis: str = "post_rope"  # under a rank budget: "pre_rope" fits the keys' directions before RoPE
+    host_exact_sinks: bool = False  # under a rank budget: the sink rows stay exact
     rotation_seed: int = 0
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
@@ -257,6 +272,7 @@ class SeKVRecipe(RecipeOptions):
         self.require("candidates", 1 <= self.candidates <= 64, "in [1, 64]")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
         self.require("host_rank_target", 0 < self.host_rank_target <= 1, "in (0, 1]")
+        self.require("host_key_basis", self.host_key_basis in HOST_KEY_BASES, f"one of {HOST_KEY_BASES}")
         for key in ("gain_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
@@ -309,10 +325,11 @@ class SeKVTraining(MethodTraining):
         for layer in layers:
             pos = all_layers.index(layer)
             keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
+            rope = sample_rope(sample, layer, keys.shape[1], mcfg)
             for p, t in enumerate(sample["positions"].tolist()):
                 losses = position_losses(modules, pos, keys, values, sample[f"q.{layer}"][:, p],
                                          sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
-                                         recipe.budget, mcfg)
+                                         recipe.budget, mcfg, rope)
                 if losses is not None:
                     for k in parts:
                         parts[k].append(getattr(losses, k))
