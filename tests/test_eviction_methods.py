@@ -5,6 +5,8 @@ too small refused, nothing held outside the tiers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -258,6 +260,13 @@ def test_h2o_accumulated_scores_match_a_naive_reference(monkeypatch):
             ref[bi, h // g] += probs.sum(0)
     ref = ref.masked_fill(~valid[:, None, :], NEG_INF)
     torch.testing.assert_close(got, ref)
+    # once per prefill: a copy of the context (another method or budget replaying it) reuses the scores, and
+    # whoever changes its copy does not change the next one's
+    got.zero_()
+    again = eviction.accumulated_scores(dataclasses.replace(ctx, keys=keys.clone()))
+    torch.testing.assert_close(again, ref)
+    monkeypatch.setattr(torch, "softmax", None)  # nothing is recomputed
+    torch.testing.assert_close(eviction.accumulated_scores(dataclasses.replace(ctx)), ref)
 
 
 def test_h2o_keeps_heavy_hitters_and_evicts_while_decoding(llama):

@@ -127,5 +127,8 @@ def rotary_frequencies(config: Any, layer_idx: int) -> tuple[torch.Tensor, float
     if kind.startswith("dynamic") or kind not in ROPE_INIT_FUNCTIONS:  # recomputed per length at run time
         return None
     init = ROPE_INIT_FUNCTIONS[kind]
-    inv_freq, scaling = init(text, None, layer_type=layer_type) if per_type else init(text, None)
+    try:
+        inv_freq, scaling = init(text, None, layer_type=layer_type) if per_type else init(text, None)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a parameter this initialiser needs is missing
+        return None
     return inv_freq.float(), float(scaling)

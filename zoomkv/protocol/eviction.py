@@ -64,7 +64,11 @@ def observation_scores(ctx: PrefillContext, window: int) -> torch.Tensor:
 def accumulated_scores(ctx: PrefillContext) -> torch.Tensor:
     """H2O's prefill statistic: the attention each key receives summed over *every* prompt query (and the
     query heads of its GQA group). Computed in query chunks so memory stays bounded; float32
-    ``[batch, kv_heads, T]``, ``-inf`` on padding keys."""
+    ``[batch, kv_heads, T]``, ``-inf`` on padding keys. Computed once per prefill: methods and budgets
+    replaying the same one get a copy (``PrefillContext.derived``)."""
+    kept = ctx.derived.get("accumulated_scores")
+    if kept is not None:
+        return kept.clone()
     b, kv_heads, length, d = ctx.keys.shape
     groups = ctx.num_kv_groups
     q = ctx.queries.float().reshape(b, kv_heads, groups, length, d)
@@ -83,7 +87,9 @@ def accumulated_scores(ctx: PrefillContext) -> torch.Tensor:
             allowed = allowed & valid[:, :, None, None, :end]
         probs = torch.softmax(logits.masked_fill(~allowed, NEG_INF), dim=-1).nan_to_num_(0.0)
         total[:, :, :end] += probs.sum(dim=(2, 3))
-    return mask_padding(total, ctx)
+    total = mask_padding(total, ctx)
+    ctx.derived["accumulated_scores"] = total.clone()
+    return total
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:

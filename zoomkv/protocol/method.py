@@ -12,7 +12,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -61,6 +61,9 @@ class PrefillContext:
     # the layer's rotary table (inv_freq [head_dim / 2], scaling; zoomkv.protocol.rotary), for methods that
     # work on keys before RoPE; None when the model's RoPE is not one the runtime can rebuild
     rotary: tuple[torch.Tensor, float] | None = None
+    # Statistics of this prefill alone (e.g. H2O's accumulated attention), kept for other methods and budgets
+    # replaying the same prefill (zoomkv.memory.replay shares the dict between its copies of the context).
+    derived: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
