@@ -401,3 +401,23 @@ def test_training_truncates_the_host_rows_as_inference_recalls_them(config):
     rope = rotary.angles(torch.arange(t), *table)
     assert torch.allclose(truncated(keys[0], gates[0], 4, rope), rk[0], atol=1e-4)
     assert torch.allclose(truncated(values[0], gates[1], 4), rv[0], atol=1e-4)
+
+
+def test_teacher_samples_carry_the_rotary_table_the_objective_unrotates_with():
+    from zoomkv import compat
+    from zoomkv.methods.sekv.method import SeKVConfig
+    from zoomkv.methods.sekv.objective import sample_rope
+    from zoomkv.train.teacher import extract_sample
+
+    model = load_model("tiny-llama")[0]
+    sample = extract_sample(model, torch.randint(3, 200, (1, 48)), 3, 16, 4)
+    layer = int(sample["layers"][0])
+    inv_freq, scaling = compat.rotary_frequencies(model.config, layer)
+    assert torch.equal(sample[f"rotary_inv_freq.{layer}"], inv_freq)
+    cos, sin = sample_rope(sample, layer, 48, SeKVConfig(host_key_basis="pre_rope"))
+    # the cached keys rotated back are rows whose norm RoPE kept (rotation) and whose position 0 is unchanged
+    keys = sample[f"k.{layer}"].float()
+    before = rotary.undo(keys, cos, sin)
+    assert torch.allclose(before.norm(dim=-1), keys.norm(dim=-1), atol=1e-3)
+    assert torch.allclose(before[:, 0], keys[:, 0])
+    assert sample_rope(sample, layer, 48, SeKVConfig()) is None  # post_rope: the objective never unrotates
