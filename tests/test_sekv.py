@@ -334,7 +334,6 @@ def test_rank_gates_before_rope_recall_low_rank_keys_exactly(config, pad):
     adapter = SeKVAdapter(4, H, D)
     with torch.no_grad():
         adapter.rank_gate[0, 0, 4:] = -1.0  # keys: 4 of 16 principal directions; values: all
-    query = torch.randn(1, H * G, 1, D)
     errors = {}
     for basis in ("pre_rope", "post_rope"):
         method = SeKV(adapter=adapter, host_key_basis=basis, host_exact_sinks=True)
