@@ -398,8 +398,9 @@ def test_training_truncates_the_host_rows_as_inference_recalls_them(config):
     rk, rv = method._recall(memory, None)
     gates = (adapter.rank_gate[0] > 0).float()
     rope = rotary.angles(torch.arange(t), *table)
-    assert torch.allclose(truncated(keys[0], gates[0], 4, rope), rk[0], atol=1e-4)
-    assert torch.allclose(truncated(values[0], gates[1], 4), rv[0], atol=1e-4)
+    exact = torch.arange(t) < 4
+    assert torch.allclose(truncated(keys[0], gates[0], exact, rope), rk[0], atol=1e-4)
+    assert torch.allclose(truncated(values[0], gates[1], exact), rv[0], atol=1e-4)
 
 
 def test_teacher_samples_carry_the_rotary_table_the_objective_unrotates_with():
@@ -420,3 +421,27 @@ def test_teacher_samples_carry_the_rotary_table_the_objective_unrotates_with():
     assert torch.allclose(before.norm(dim=-1), keys.norm(dim=-1), atol=1e-3)
     assert torch.allclose(before[:, 0], keys[:, 0])
     assert sample_rope(sample, layer, 48, SeKVConfig()) is None  # post_rope: the objective never unrotates
+
+
+def test_rank_gates_keep_the_anchors_exact_on_the_host_tier(config):
+    keys, values, _ = _pointed_keys(t=200, target=70)
+    surprisal = torch.zeros(1, 200)
+    surprisal[0, [70, 120]] = 10.0  # two surprising tokens: the anchors
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, :, 3:] = -1.0  # 3 of 16 directions for keys and values
+    exact = SeKV(adapter=adapter, host_exact_anchors=True)
+    memory = _memory(config, exact, keys, values, surprisal, budget=40)
+    assert memory.device_tier["anchor_pos"].tolist() == [[70, 120]]
+    assert memory.host_tier["exact_anchor_keys"].view().shape == (1, H, 2, D)
+    rk, rv = exact._recall(memory, None)
+    for row in (70, 120):
+        assert torch.equal(rk[:, :, row], keys[:, :, row]) and torch.equal(rv[:, :, row], values[:, :, row])
+    assert (rk[:, :, 71] - keys[:, :, 71]).abs().max() > 0.1  # the others: rank 3 of 16
+    # a recall of some rows (in any order) finds the anchors among them
+    idx = torch.tensor([[[5, 120, 70, 33]]]).expand(1, H, -1)
+    rk, _ = exact._recall(memory, idx)
+    assert torch.equal(rk[:, :, 1], keys[:, :, 120]) and torch.equal(rk[:, :, 2], keys[:, :, 70])
+    plain = _memory(config, SeKV(adapter=adapter), keys, values, surprisal, budget=40)
+    assert (SeKV(adapter=adapter)._recall(plain, None)[0][:, :, 70] - keys[:, :, 70]).abs().max() > 0.1
+    assert memory.host_bytes > plain.host_bytes  # the exact copies are counted

@@ -8,7 +8,8 @@ direction, shared by the layer's heads), the device tier the kept directions and
 ``mean + coordinates · directions``: the best approximation of the row in that many directions, exact when
 every gate is on. Rows that join later are projected onto the same directions. Keys may be taken before
 RoPE (rotated back by their positions: ShadowKV's observation that they are low-rank there), and the sink
-rows kept exact, outside the fit (``SeKVConfig.host_key_basis``, ``host_exact_sinks``).
+rows and the anchors kept exact, outside the fit (``SeKVConfig.host_key_basis``, ``host_exact_sinks``,
+``host_exact_anchors``).
 
 Nothing here knows the method: plain tensors in, plain tensors out.
 """
@@ -47,13 +48,13 @@ def reconstruct(coords: torch.Tensor, mean: torch.Tensor, directions: torch.Tens
     return torch.matmul(coords.to(directions.dtype), directions) + mean
 
 
-def truncated(x: torch.Tensor, gates: torch.Tensor, exact_rows: int = 0,
+def truncated(x: torch.Tensor, gates: torch.Tensor, exact: torch.Tensor | None = None,
               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Training: rows ``x`` ``[h, n, d]`` kept in the principal directions ``gates`` ``[d]`` weigh (1/0 in
     the forward pass, a relaxation's gradient in the backward pass), as the host tier gives them back.
-    ``exact_rows``: the first rows (the sinks) stay exact and out of the fit; ``rope``: ``cos, sin``
+    ``exact`` ``[n]`` bool: rows (sinks, anchors) that stay exact and out of the fit; ``rope``: ``cos, sin``
     ``[n | more, d]`` of the rows' positions, the directions then fitted to the rows before RoPE."""
-    if not exact_rows and rope is None:
+    if exact is None and rope is None:
         mean = x.mean(1, keepdim=True)
         directions = principal_directions((x - mean).detach())  # [h, d, d]
         coords = torch.matmul(x - mean, directions.transpose(-1, -2))
@@ -61,11 +62,11 @@ def truncated(x: torch.Tensor, gates: torch.Tensor, exact_rows: int = 0,
     n = x.shape[1]
     cos, sin = (None, None) if rope is None else (rope[0][:n], rope[1][:n])
     base = x if cos is None else rotary.undo(x, cos, sin)
-    fit = base[:, exact_rows:]
+    fit = base if exact is None else base[:, ~exact]
     mean = fit.mean(1, keepdim=True)
     directions = principal_directions((fit - mean).detach())
     coords = torch.matmul(base - mean, directions.transpose(-1, -2))
     back = torch.matmul(coords * gates, directions) + mean
     if cos is not None:
         back = rotary.apply(back, cos, sin)
-    return torch.cat([x[:, :exact_rows], back[:, exact_rows:]], 1) if exact_rows else back
+    return back if exact is None else torch.where(exact[None, :, None], x, back)

@@ -93,6 +93,10 @@ class SeKVConfig(MethodConfig):
         default=False, metadata={"help": "keep the sink rows exact on the device tier under rank gates (they sit "
                                          "far from the other rows' directions and take most of the attention)"}
     )
+    host_exact_anchors: bool = field(
+        default=False, metadata={"help": "keep the anchors (the surprising tokens: names, numbers) exact on the host "
+                                         "tier under rank gates; the rest of the rows go low-rank"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
@@ -233,15 +237,15 @@ class SeKV(RecallableMethod):
         dev = memory.device_tier
         keys = ctx.keys.float()
         mean = masked_mean(keys, valid)
-        self._store_host(memory, ctx, layer, mean, valid, compressed=t > budget - c.summary_row)
+        surprisal = ctx.surprisal if ctx.surprisal is not None else torch.zeros(b, t, device=keys.device)
+        anchors = pick_anchors(surprisal, valid, self._tau(layer), int(c.anchor_fraction * t), c.sinks,
+                               t - c.recent)
+        self._store_host(memory, ctx, layer, mean, valid, compressed=t > budget - c.summary_row, anchors=anchors)
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
         rotated = torch.matmul(keys - mean, rot)
         codes, rms = encode(rotated, c.code_bits)
         dev["codes"], dev["code_rms"] = RowBuffer(codes), RowBuffer(rms)
-        surprisal = ctx.surprisal if ctx.surprisal is not None else torch.zeros(b, t, device=keys.device)
-        anchors = pick_anchors(surprisal, valid, self._tau(layer), int(c.anchor_fraction * t), c.sinks,
-                               t - c.recent)
         if anchors.shape[1]:
             safe = anchors.clamp_min(0)
             fine = torch.gather(rotated, 2, safe[:, None, :, None].expand(-1, h, -1, d))
@@ -272,14 +276,15 @@ class SeKV(RecallableMethod):
         return tuple(None if bool(k.all()) else k for k in keep)  # type: ignore[return-value]
 
     def _store_host(self, memory, ctx: PrefillContext, layer: int, key_mean: torch.Tensor, valid: torch.Tensor,
-                    compressed: bool) -> None:
+                    compressed: bool, anchors: torch.Tensor | None = None) -> None:
         """Every row on the host tier: as it is, or (rank gates that drop directions, on a context that is
         compressed) its coordinates along the directions kept, the directions on the device tier. Keys are
         taken before RoPE when ``host_key_basis='pre_rope'`` (and the model's RoPE is known), and with
-        ``host_exact_sinks`` the sink rows stay exact on the device tier, out of the principal directions' fit."""
+        ``host_exact_sinks`` the sink rows stay exact on the device tier, with ``host_exact_anchors`` the
+        anchors (``[b, A]`` positions, -1: none) exact on the host tier; both out of the directions' fit."""
         keep_k, keep_v = self._kept_directions(layer)
         quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
-        memory.meta["low_rank"] = {}
+        memory.meta["low_rank"], memory.meta["exact_anchors"] = {}, False
         if not compressed or quantized or (keep_k is None and keep_v is None):
             # while the context fits the budget every row stays exact (B >= context is full attention); with
             # --kv-quant the rows are quantized instead
@@ -298,6 +303,17 @@ class SeKV(RecallableMethod):
                 2, at.expand(-1, ctx.values.shape[1], -1, ctx.values.shape[-1]))
             fit = valid.clone()
             fit.scatter_(1, sinks, False)
+        if c.host_exact_anchors and anchors is not None and anchors.shape[1]:
+            safe = anchors.clamp_min(0)
+            at = safe[:, None, :, None]
+            host["exact_anchor_keys"] = memory.host_rows(
+                ctx.keys.gather(2, at.expand(-1, ctx.keys.shape[1], -1, ctx.keys.shape[-1])))
+            host["exact_anchor_values"] = memory.host_rows(
+                ctx.values.gather(2, at.expand(-1, ctx.values.shape[1], -1, ctx.values.shape[-1])))
+            memory.meta["exact_anchors"] = True  # their positions: dev["anchor_pos"], which compress stores
+            hit = torch.zeros(valid.shape, dtype=torch.uint8, device=valid.device)
+            hit.scatter_reduce_(1, safe, (anchors >= 0).to(torch.uint8), reduce="amax")
+            fit = fit & ~hit.bool()
         keys = ctx.keys
         if keep_k is not None and c.host_key_basis == "pre_rope" and ctx.rotary is not None:
             inv_freq, scale = ctx.rotary
@@ -358,10 +374,22 @@ class SeKV(RecallableMethod):
                     rows = rotary.apply(rows, *self._angles(memory, at_rows))
             if "exact_sink_pos" in dev:
                 rows = self._exact_sinks(dev, name, rows, at_rows)
+            if memory.meta.get("exact_anchors"):
+                rows = self._exact_anchors(memory, name, rows, at_rows)
             buf = dev[f"recall_{name}"][:, :, :k]
             buf.copy_(rows)
             out.append(buf)
         return out[0], out[1]
+
+    @staticmethod
+    def _exact_anchors(memory, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (host rows ``at_rows``) with the anchors among them replaced by their exact host copies."""
+        match = at_rows[..., None] == memory.device_tier["anchor_pos"][:, None, None, :]  # [b, h|1, k, A]
+        which = match.to(torch.uint8).argmax(-1).expand(rows.shape[0], rows.shape[1], -1)  # [b, h, k]
+        exact = memory.host_tier[f"exact_anchor_{name}"].view()
+        at = which.to(exact.device)[..., None].expand(-1, -1, -1, exact.shape[-1])
+        exact = exact.gather(2, at).to(rows.device, non_blocking=True)
+        return torch.where(match.any(-1, keepdim=True), exact.to(rows.dtype), rows)
 
     @staticmethod
     def _exact_sinks(dev, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:

@@ -219,7 +219,13 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
             chosen.scatter_(-1, top, True)
     kx, v = keys[:, :n].float(), values[:, :n].float()
     gates = rank_gates(adapter, layer)
-    exact = min(cfg.sinks, n) if cfg.host_exact_sinks else 0
+    exact = None  # the rows the host tier keeps exact: the sinks, the anchors
+    if cfg.host_exact_sinks or cfg.host_exact_anchors:
+        exact = torch.zeros(n, dtype=torch.bool)
+        if cfg.host_exact_sinks:
+            exact[:cfg.sinks] = True
+        if cfg.host_exact_anchors:
+            exact |= student.anchor.detach() > 0.5
     stored = (truncated(kx, gates[0], exact, rope if cfg.host_key_basis == "pre_rope" else None),
               truncated(v, gates[1], exact))
     student_out = summary_output(adapter, layer, kx, v, query, chosen, scaling, stored, summary=cfg.summary_row)
@@ -250,6 +256,7 @@ class SeKVRecipe(RecipeOptions):
     candidates: float = 4.0
     host_key_basis: str = "post_rope"  # under a rank budget: "pre_rope" fits the keys' directions before RoPE
     host_exact_sinks: bool = False  # under a rank budget: the sink rows stay exact
+    host_exact_anchors: bool = False  # under a rank budget: the anchors (surprising tokens) stay exact
     rotation_seed: int = 0
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
