@@ -445,3 +445,22 @@ def test_rank_gates_keep_the_anchors_exact_on_the_host_tier(config):
     plain = _memory(config, SeKV(adapter=adapter), keys, values, surprisal, budget=40)
     assert (SeKV(adapter=adapter)._recall(plain, None)[0][:, :, 70] - keys[:, :, 70]).abs().max() > 0.1
     assert memory.host_bytes > plain.host_bytes  # the exact copies are counted
+
+
+def test_rank_gates_keep_rows_after_compression_exact(config):
+    keys, values, _ = _pointed_keys(t=200, target=70)
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, :, 3:] = -1.0
+    method = SeKV(adapter=adapter, host_exact_late=True)
+    memory = _memory(config, method, keys, values, torch.zeros(1, 200), budget=40)
+    new_k, new_v = torch.randn(1, H, 5, D), torch.randn(1, H, 5, D)
+    method.extend(memory, new_k, new_v)  # a question after compression
+    method.append(memory, new_k[:, :, :1] * 3, new_v[:, :, :1] * 3)  # then a generated token
+    assert memory.host_tier["keys"].view().shape == (1, H, 206, 3)  # the low-rank copy keeps the indexing
+    rk, rv = method._recall(memory, None)
+    assert torch.equal(rk[:, :, 200:205], new_k) and torch.equal(rv[:, :, 205:], new_v[:, :, :1] * 3)
+    assert (rk[:, :, 150] - keys[:, :, 150]).abs().max() > 0.1  # the compressed context: rank 3 of 16
+    idx = torch.tensor([[[10, 203, 205]]]).expand(1, H, -1)
+    rk, _ = method._recall(memory, idx)
+    assert torch.equal(rk[:, :, 1], new_k[:, :, 3]) and torch.equal(rk[:, :, 2], new_k[:, :, 0] * 3)

@@ -93,6 +93,11 @@ class SeKVConfig(MethodConfig):
         default=False, metadata={"help": "keep the sink rows exact on the device tier under rank gates (they sit "
                                          "far from the other rows' directions and take most of the attention)"}
     )
+    host_exact_late: bool = field(
+        default=False, metadata={"help": "under rank gates, rows that arrive after compression (a question, the "
+                                         "answer so far, the next turn) stay exact on the host tier: the newest "
+                                         "rows are attended every step"}
+    )
     host_exact_anchors: bool = field(
         default=False, metadata={"help": "keep the anchors (the surprising tokens: names, numbers) exact on the host "
                                          "tier under rank gates; the rest of the rows go low-rank"}
@@ -285,6 +290,7 @@ class SeKV(RecallableMethod):
         keep_k, keep_v = self._kept_directions(layer)
         quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
         memory.meta["low_rank"], memory.meta["exact_anchors"] = {}, False
+        memory.meta.pop("late_from", None)
         if not compressed or quantized or (keep_k is None and keep_v is None):
             # while the context fits the budget every row stays exact (B >= context is full attention); with
             # --kv-quant the rows are quantized instead
@@ -333,6 +339,10 @@ class SeKV(RecallableMethod):
             memory.meta["low_rank"][name] = True
         if ctx.valid is not None:
             host["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+        if c.host_exact_late:
+            memory.meta["late_from"] = t  # host rows from here on also have an exact copy
+            host["late_keys"] = memory.host_rows(ctx.keys[:, :, :0])
+            host["late_values"] = memory.host_rows(ctx.values[:, :, :0])
 
     @staticmethod
     def _angles(memory, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,10 +386,23 @@ class SeKV(RecallableMethod):
                 rows = self._exact_sinks(dev, name, rows, at_rows)
             if memory.meta.get("exact_anchors"):
                 rows = self._exact_anchors(memory, name, rows, at_rows)
+            if "late_from" in memory.meta:
+                rows = self._exact_late(memory, name, rows, at_rows)
             buf = dev[f"recall_{name}"][:, :, :k]
             buf.copy_(rows)
             out.append(buf)
         return out[0], out[1]
+
+    @staticmethod
+    def _exact_late(memory, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (host rows ``at_rows``) with the rows that arrived after compression exact."""
+        late = memory.host_tier[f"late_{name}"].view()
+        if late.shape[2] == 0:
+            return rows
+        offset = (at_rows - memory.meta["late_from"]).expand(rows.shape[0], rows.shape[1], -1)
+        at = offset.clamp(0, late.shape[2] - 1).to(late.device)[..., None].expand(-1, -1, -1, late.shape[-1])
+        exact = late.gather(2, at).to(rows.device, non_blocking=True).to(rows.dtype)
+        return torch.where((offset >= 0)[..., None], exact, rows)
 
     @staticmethod
     def _exact_anchors(memory, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
@@ -406,6 +429,9 @@ class SeKV(RecallableMethod):
             first = host_length(memory)
             host["keys"].append(self._host_rows(memory, "keys", key, first))
             host["values"].append(self._host_rows(memory, "values", value, first))
+            if "late_from" in memory.meta:
+                host["late_keys"].append(key)
+                host["late_values"].append(value)
             if "valid" in host:
                 host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
         else:

@@ -220,10 +220,12 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     kx, v = keys[:, :n].float(), values[:, :n].float()
     gates = rank_gates(adapter, layer)
     exact = None  # the rows the host tier keeps exact: the sinks, the anchors
-    if cfg.host_exact_sinks or cfg.host_exact_anchors:
+    if cfg.host_exact_sinks or cfg.host_exact_anchors or cfg.host_exact_late:
         exact = torch.zeros(n, dtype=torch.bool)
         if cfg.host_exact_sinks:
             exact[:cfg.sinks] = True
+        if cfg.host_exact_late:  # what inference holds exact after compression, here the newest rows
+            exact[max(0, n - cfg.recent):] = True
         if cfg.host_exact_anchors:
             exact |= student.anchor.detach() > 0.5
     stored = (truncated(kx, gates[0], exact, rope if cfg.host_key_basis == "pre_rope" else None),
@@ -257,6 +259,7 @@ class SeKVRecipe(RecipeOptions):
     host_key_basis: str = "post_rope"  # under a rank budget: "pre_rope" fits the keys' directions before RoPE
     host_exact_sinks: bool = False  # under a rank budget: the sink rows stay exact
     host_exact_anchors: bool = False  # under a rank budget: the anchors (surprising tokens) stay exact
+    host_exact_late: bool = False  # under a rank budget: rows after compression stay exact
     rotation_seed: int = 0
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
