@@ -142,9 +142,10 @@ def test_report_only_runs_nothing_and_reports_the_rows_stored(tmp_path, tiny, co
     (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept + full))
     (out / "summary.md").unlink()
     again = counting()
-    rows = run_eval(_cfg(out, samples=2, budgets=["64", "128"], report_only=True, plots=False), *tiny)
+    rows = run_eval(_cfg(out, samples=9, budgets=["64", "128"], report_only=True, plots=False), *tiny)
     assert again.calls == [] and len(rows) == len(kept)
     assert "streamingllm" in (out / "summary.md").read_text()
+    assert "- samples: `1,2`" in (out / "summary.md").read_text()  # the rows' counts, not --samples
     with pytest.raises(ZoomKVError, match="--overwrite would discard"):
         run_eval(_cfg(out, report_only=True, overwrite=True), *tiny)
     with pytest.raises(ZoomKVError, match="no rows"):

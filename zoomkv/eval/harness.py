@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,10 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
               "prefill_chunk": cfg.prefill_chunk, "chat": fmt.chat, "seed": cfg.seed,
               "samples": cfg.samples, "lengths": ",".join(map(str, cfg.lengths)), "batch_size": cfg.batch_size,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}}
+    if cfg.report_only:  # the rows' own sample counts and lengths, not this command's defaults
+        per_cell = Counter((r["method"], r["budget"], r["task"], r["length"]) for r in store.rows)
+        header["samples"] = ",".join(map(str, sorted(set(per_cell.values())))) or None
+        header["lengths"] = ",".join(map(str, sorted({r["length"] for r in store.rows}))) or None
     labels = cfg.methods + [r.method for r in prep.runs if r.adapter is not None]
     write_outputs(store.rows, store.out, header, list(dict.fromkeys(labels)), plots=cfg.plots)
     return store.rows
