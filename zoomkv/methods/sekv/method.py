@@ -57,8 +57,8 @@ from zoomkv.protocol.recallable import (
     store_host_rows,
 )
 
-TAIL = "sekv_tail"
-HOST_KEY_BASES = ("pre_rope", "post_rope")  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
+TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
+HOST_KEY_BASES = ("pre_rope", "post_rope")
 
 
 @dataclass
@@ -82,8 +82,8 @@ class SeKVConfig(MethodConfig):
     candidates: float = field(
         default=4.0, metadata={"help": "candidates per recalled row the first stage passes to the rescoring"}
     )
-    # The next two only matter under rank gates that drop directions. Their defaults are what adapters saved
-    # before they existed were trained for; recipes default to the other values (SeKVRecipe).
+    # The next four only matter under rank gates that drop directions. Their defaults are what adapters saved
+    # before they existed were trained for (a recipe sets them: recipes/smollm2-135m/rank-budget.yaml).
     host_key_basis: str = field(
         default="post_rope", metadata={"help": "where the rank-gated host tier takes the keys' principal directions: "
                                               "'pre_rope' (rotated back by position, where keys are low-rank; "
@@ -286,7 +286,8 @@ class SeKV(RecallableMethod):
         compressed) its coordinates along the directions kept, the directions on the device tier. Keys are
         taken before RoPE when ``host_key_basis='pre_rope'`` (and the model's RoPE is known), and with
         ``host_exact_sinks`` the sink rows stay exact on the device tier, with ``host_exact_anchors`` the
-        anchors (``[b, A]`` positions, -1: none) exact on the host tier; both out of the directions' fit."""
+        anchors (``[b, A]`` positions, -1: none) exact on the host tier, both out of the directions' fit; with
+        ``host_exact_late`` rows appended later keep an exact host copy beside their coordinates."""
         keep_k, keep_v = self._kept_directions(layer)
         quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
         memory.meta["low_rank"], memory.meta["exact_anchors"] = {}, False

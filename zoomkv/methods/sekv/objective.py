@@ -219,7 +219,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
             chosen.scatter_(-1, top, True)
     kx, v = keys[:, :n].float(), values[:, :n].float()
     gates = rank_gates(adapter, layer)
-    exact = None  # the rows the host tier keeps exact: the sinks, the anchors
+    exact = None  # the rows the host tier keeps exact: the sinks, the newest rows, the anchors
     if cfg.host_exact_sinks or cfg.host_exact_anchors or cfg.host_exact_late:
         exact = torch.zeros(n, dtype=torch.bool)
         if cfg.host_exact_sinks:
