@@ -24,17 +24,17 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from zoomkv.methods.sekv.host import truncated
+from zoomkv.protocol import rotary as rotary_embedding
 from zoomkv.train.teacher import load_sample
 
 
 def low_rank(x: torch.Tensor, rank: int, exact: int) -> torch.Tensor:
     """``x`` ``[h, n, d]`` with rows ``exact:`` in their top ``rank`` principal directions (the first kept):
-    the training objective's ``truncated`` with the first ``rank`` gates on."""
+    the training objective's ``truncated`` with the first ``rank`` gates on and the first rows exact."""
     gates = (torch.arange(x.shape[-1]) < rank).float()
-    return torch.cat([x[:, :exact], truncated(x[:, exact:], gates)], 1)
+    return truncated(x, gates, torch.arange(x.shape[1]) < exact if exact else None)
 
 
 def rotary(x: torch.Tensor, theta: float, undo: bool = False) -> torch.Tensor:
@@ -43,9 +43,9 @@ def rotary(x: torch.Tensor, theta: float, undo: bool = False) -> torch.Tensor:
     n, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-    emb = torch.cat([angle, angle], -1)
-    cos, sin, turned = emb.cos().float(), emb.sin().float(), rotate_half(x)
-    return x * cos - turned * sin if undo else x * cos + turned * sin
+    emb = torch.cat([angle, angle], -1)  # float64 angles: the table the published numbers were measured with
+    cos, sin = emb.cos().float(), emb.sin().float()
+    return rotary_embedding.apply(x, cos, -sin if undo else sin)  # the inverse rotation turns the other way
 
 
 def whitening(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
