@@ -384,9 +384,10 @@ class SeKV(RecallableMethod):
                 if name == "keys" and "rope_inv_freq" in dev:
                     rows = rotary.apply(rows, *self._angles(memory, at_rows))
             if "exact_sink_pos" in dev:
-                rows = self._exact_sinks(dev, name, rows, at_rows)
-            if memory.meta.get("exact_anchors"):
-                rows = self._exact_anchors(memory, name, rows, at_rows)
+                rows = self._exact_listed(rows, at_rows, dev["exact_sink_pos"], dev[f"exact_sink_{name}"])
+            if memory.meta.get("exact_anchors"):  # their positions: dev["anchor_pos"], which compress stores
+                rows = self._exact_listed(rows, at_rows, dev["anchor_pos"],
+                                          memory.host_tier[f"exact_anchor_{name}"].view())
             if "late_from" in memory.meta:
                 rows = self._exact_late(memory, name, rows, at_rows)
             buf = dev[f"recall_{name}"][:, :, :k]
@@ -406,21 +407,16 @@ class SeKV(RecallableMethod):
         return torch.where((offset >= 0)[..., None], exact, rows)
 
     @staticmethod
-    def _exact_anchors(memory, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (host rows ``at_rows``) with the anchors among them replaced by their exact host copies."""
-        match = at_rows[..., None] == memory.device_tier["anchor_pos"][:, None, None, :]  # [b, h|1, k, A]
+    def _exact_listed(rows: torch.Tensor, at_rows: torch.Tensor, positions: torch.Tensor,
+                      exact: torch.Tensor) -> torch.Tensor:
+        """``rows`` (host rows ``at_rows``, ``[b | 1, h | 1, k]``) with those at ``positions`` ``[b, A]`` (-1: none)
+        replaced by their exact copies ``exact`` ``[b, h, A, d]`` (the sinks on the device tier, the anchors on
+        the host tier)."""
+        match = at_rows[..., None] == positions[:, None, None, :]  # [b, h | 1, k, A]
         which = match.to(torch.uint8).argmax(-1).expand(rows.shape[0], rows.shape[1], -1)  # [b, h, k]
-        exact = memory.host_tier[f"exact_anchor_{name}"].view()
         at = which.to(exact.device)[..., None].expand(-1, -1, -1, exact.shape[-1])
-        exact = exact.gather(2, at).to(rows.device, non_blocking=True)
-        return torch.where(match.any(-1, keepdim=True), exact.to(rows.dtype), rows)
-
-    @staticmethod
-    def _exact_sinks(dev, name: str, rows: torch.Tensor, at_rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (host rows ``at_rows``) with the sink rows among them replaced by their exact copies."""
-        match = at_rows[..., None] == dev["exact_sink_pos"][:, None, None, :]  # [b, h | 1, k, sinks]
-        exact = torch.matmul(match.to(rows.dtype), dev[f"exact_sink_{name}"].to(rows.dtype))  # one match at most
-        return torch.where(match.any(-1, keepdim=True), exact, rows)
+        picked = exact.gather(2, at).to(rows.device, non_blocking=True).to(rows.dtype)
+        return torch.where(match.any(-1, keepdim=True), picked, rows)
 
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
