@@ -464,3 +464,45 @@ def test_rank_gates_keep_rows_after_compression_exact(config):
     idx = torch.tensor([[[10, 203, 205]]]).expand(1, H, -1)
     rk, _ = method._recall(memory, idx)
     assert torch.equal(rk[:, :, 1], new_k[:, :, 3]) and torch.equal(rk[:, :, 2], new_k[:, :, 0] * 3)
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_rank_gates_and_quantization_compose(config, bits):
+    """A rank-gated host tier under kv_quant stores its coordinates quantized: fewer bytes than either cut
+    alone, and rows recalled about as the unquantized low-rank tier gives them (an odd number of kept
+    directions included: int4 pads it to a byte)."""
+    keys, values, _ = _pointed_keys(t=200, target=70)
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, 5:] = -1.0  # keys: 5 of 16 directions (odd); values: all 16
+    method = SeKV(adapter=adapter, host_exact_late=True)
+
+    def memory_with(quant, gated):
+        cache = ZoomCache(config, method if gated else SeKV(), 40, kv_quant=quant)
+        memory = cache.layers[0]
+        memory.lazy_initialization(keys, values)
+        memory.seen = keys.shape[2]
+        ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values,
+                             queries=torch.zeros(1, H * G, 200, D), valid=None, budget=40, scaling=D**-0.5,
+                             num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=torch.zeros(1, 200))
+        cache.method.compress(memory, ctx)
+        return cache.method, memory
+
+    m_q, both = memory_with(bits, True)
+    m_r, rank_only = memory_with(None, True)
+    _, quant_only = memory_with(bits, False)
+    assert both.host_tier["keys"].view().shape == (1, H, 200, 5)
+    assert both.host_bytes < rank_only.host_bytes and both.host_bytes < quant_only.host_bytes
+    rk_q, rv_q = m_q._recall(both, None)
+    rk_r, rv_r = m_r._recall(rank_only, None)
+    tol = 0.05 if bits == "int8" else 0.5  # half a quantization step of these rows' range
+    assert (rk_q - rk_r).abs().max() < tol and (rv_q - rv_r).abs().max() < tol
+    assert (rk_r - keys).abs().max() > 0.5  # and the rank cut still shows: 5 of 16 directions
+    # a generated row joins quantized too
+    m_q.append(both, keys[:, :, :1], values[:, :, :1])
+    assert both.host_tier["keys"].view().shape == (1, H, 201, 5)
+
+
+def test_a_quantization_group_that_does_not_divide_the_head_is_refused(config):
+    with pytest.raises(ConfigError, match="does not divide head_dim"):
+        ZoomCache(config, "quest", 40, kv_quant="int8", kv_quant_group=6)

@@ -70,23 +70,35 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits:
         unpacked[..., 1::2] = codes >> 4
         codes = unpacked
     n_groups = scale.shape[-1]
-    groups = codes.reshape(*codes.shape[:-1], n_groups, -1).float()
+    groups = codes.reshape(*codes.shape[:-1], n_groups, codes.shape[-1] // n_groups).float()  # 0 rows too
     out = groups * scale.float()[..., None] + lo.float()[..., None]
     return out.reshape(*codes.shape).to(dtype)
 
 
 class QuantizedRowBuffer(RowBuffer):
-    """A ``RowBuffer`` whose rows are held as int8/int4 codes; ``view()`` returns dequantized rows."""
+    """A ``RowBuffer`` whose rows are held as int8/int4 codes; ``view()`` returns dequantized rows.
+
+    Rows of any width: KV rows (``head_dim``) are grouped ``spec.group_size`` channels at a time; a width the
+    group does not divide (a rank-gated host tier's coordinates, say 19 of 64 directions) is one group a row,
+    and int4 pads an odd width with one zero code (two codes share a byte), cut off again by ``view()``."""
 
     def __init__(self, data: torch.Tensor, spec: QuantSpec, *, pinned: bool = False):
         self.spec = spec
         self.dtype = data.dtype
-        codes, scale, lo = quantize(data, spec.bits, spec.group_size)
+        self.width = data.shape[-1]
+        self.pad = spec.bits == 4 and self.width % 2 == 1
+        width = self.width + self.pad
+        self.group = spec.group_size if width % min(spec.group_size, width) == 0 else width
+        codes, scale, lo = quantize(self._padded(data), spec.bits, self.group)
         self.codes = RowBuffer(codes, pinned=pinned)
         self.scale = RowBuffer(scale, pinned=pinned)
         self.lo = RowBuffer(lo, pinned=pinned)
         self.pinned = self.codes.pinned
         self.length = data.shape[2]
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        # the pad column repeats the row's last value, so it never widens the group's range
+        return torch.cat([rows, rows[..., -1:]], -1) if self.pad else rows
 
     @property
     def data(self) -> torch.Tensor:  # the codes: what a RowBuffer's "data" means for shape/capacity
@@ -104,11 +116,12 @@ class QuantizedRowBuffer(RowBuffer):
         return [self.codes.data, self.scale.data, self.lo.data]
 
     def append(self, rows: torch.Tensor) -> None:
-        codes, scale, lo = quantize(rows, self.spec.bits, self.spec.group_size)
+        codes, scale, lo = quantize(self._padded(rows), self.spec.bits, self.group)
         self.codes.append(codes.to(self.codes.data.device))
         self.scale.append(scale.to(self.scale.data.device))
         self.lo.append(lo.to(self.lo.data.device))
         self.length += rows.shape[2]
 
     def view(self) -> torch.Tensor:
-        return dequantize(self.codes.view(), self.scale.view(), self.lo.view(), self.spec.bits, self.dtype)
+        rows = dequantize(self.codes.view(), self.scale.view(), self.lo.view(), self.spec.bits, self.dtype)
+        return rows[..., : self.width] if self.pad else rows

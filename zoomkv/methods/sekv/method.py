@@ -287,14 +287,13 @@ class SeKV(RecallableMethod):
         taken before RoPE when ``host_key_basis='pre_rope'`` (and the model's RoPE is known), and with
         ``host_exact_sinks`` the sink rows stay exact on the device tier, with ``host_exact_anchors`` the
         anchors (``[b, A]`` positions, -1: none) exact on the host tier, both out of the directions' fit; with
-        ``host_exact_late`` rows appended later keep an exact host copy beside their coordinates."""
+        ``host_exact_late`` rows appended later keep an exact host copy beside their coordinates. Under
+        ``kv_quant`` the coordinates (and the exact copies) are quantized in turn: the two cuts compose."""
         keep_k, keep_v = self._kept_directions(layer)
-        quantized = getattr(getattr(memory, "cache", None), "kv_quant", None) is not None
         memory.meta["low_rank"], memory.meta["exact_anchors"] = {}, False
         memory.meta.pop("late_from", None)
-        if not compressed or quantized or (keep_k is None and keep_v is None):
-            # while the context fits the budget every row stays exact (B >= context is full attention); with
-            # --kv-quant the rows are quantized instead
+        if not compressed or (keep_k is None and keep_v is None):
+            # while the context fits the budget every row stays exact (B >= context is full attention)
             store_host_rows(memory, ctx)
             return
         c = self.config
