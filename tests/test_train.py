@@ -273,3 +273,15 @@ def test_freeze_holds_the_named_tensors_and_the_rank_gates_learn_at_their_own_ra
     assert main([*common, f"output_dir={tmp_path / 'b'}", "freeze=span_ta"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'freeze'" in err[0] and "span_tau" in err[0], err
+
+
+def test_a_rank_budget_on_the_keys_alone_leaves_every_value_direction(tmp_path):
+    """``host_rank_values=false``: the gates cut only the keys' directions (for a host tier whose values are
+    quantized instead); the value gates stay where they started, on."""
+    out = tmp_path / "keys"
+    assert main(["--recipe", str(TINY), f"teacher_cache={tmp_path / 'teacher'}", "num_samples=2",
+                 "queries_per_sample=3", "steps=4", "save_every=4", f"output_dir={out}", "host_rank_target=0.5",
+                 "gate_lr=1.0", "host_rank_values=false"]) == 0
+    a = load_file(str(out / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    assert torch.equal(a["rank_gate"][:, 1], torch.full_like(a["rank_gate"][:, 1], 3.0))
+    assert (a["rank_gate"][:, 0] > 0).float().mean() < 1

@@ -178,11 +178,13 @@ class Losses:
 
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                     teacher: torch.Tensor, surprisal: torch.Tensor, t: int, scaling: float, budget: int,
-                    cfg: SeKVConfig, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Losses | None:
+                    cfg: SeKVConfig, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    gate_values: bool = True) -> Losses | None:
     """Losses at query position ``t`` of adapter layer ``layer``: ``keys``/``values`` ``[h, T, d]``,
     ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities, ``rope``: the rows' ``cos, sin``
-    ``[T, d]`` (for a host tier that takes keys before RoPE). None when the prefix fits the budget (every
-    row is attended: nothing to learn)."""
+    ``[T, d]`` (for a host tier that takes keys before RoPE), ``gate_values``: False keeps every value
+    direction (the rank budget cuts only the keys). None when the prefix fits the budget (every row is
+    attended: nothing to learn)."""
     n = t + 1
     always = cfg.sinks + cfg.recent
     if n <= budget - 1 or n <= always + 1:
@@ -229,7 +231,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
         if cfg.host_exact_anchors:
             exact |= student.anchor.detach() > 0.5
     stored = (truncated(kx, gates[0], exact, rope if cfg.host_key_basis == "pre_rope" else None),
-              truncated(v, gates[1], exact))
+              truncated(v, gates[1], exact) if gate_values else v)
     student_out = summary_output(adapter, layer, kx, v, query, chosen, scaling, stored, summary=cfg.summary_row)
     teacher_out = torch.matmul(a, v)
     out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
@@ -268,6 +270,9 @@ class SeKVRecipe(RecipeOptions):
     w_out: float = 1.0  # the summary row's bias and the rank gates: the output against the teacher's
     # the rank budget of the host tier: the share of principal directions the gates may keep (1: no cut)
     host_rank_target: float = 1.0
+    # whether the rank budget cuts the values too; false: only the keys' directions are gated (and the target
+    # is their share), the values stay full rank — for a host tier whose values are quantized instead
+    host_rank_values: bool = True
     w_host: float = 1.0  # weight of the hinge above host_rank_target
     # the rank gates' learning rate: a step moves only its layers' gates (layers_per_step of them), and Adam
     # moves a gate about lr a step, so at the shared lr a gate started at +3 could not reach 0 in a short run
@@ -321,7 +326,10 @@ class SeKVTraining(MethodTraining):
         others = [modules.span_tau, modules.layer_logit, modules.summary_bias]
         groups = [{"params": [modules.code_gain], "lr": recipe.options.gain_lr}, {"params": others, "lr": recipe.lr}]
         if recipe.options.host_rank_target < 1:
-            groups.append({"params": [modules.rank_gate], "lr": recipe.options.gate_lr})
+            group = {"params": [modules.rank_gate], "lr": recipe.options.gate_lr}
+            if not recipe.options.host_rank_values:  # no decay either: the value gates must stay on
+                group["weight_decay"] = 0.0
+            groups.append(group)
         else:  # no rank budget: the gates stay on (the host rows exact) and collect no gradient
             modules.rank_gate.requires_grad_(False)
         return groups
@@ -339,7 +347,7 @@ class SeKVTraining(MethodTraining):
             for p, t in enumerate(sample["positions"].tolist()):
                 losses = position_losses(modules, pos, keys, values, sample[f"q.{layer}"][:, p],
                                          sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
-                                         recipe.budget, mcfg, rope)
+                                         recipe.budget, mcfg, rope, gate_values=o.host_rank_values)
                 if losses is not None:
                     for k in parts:
                         parts[k].append(getattr(losses, k))
@@ -351,10 +359,11 @@ class SeKVTraining(MethodTraining):
         # gate about as far each step whatever its gradient, so a hinge over all layers would pull down the
         # gates of layers whose output error this step does not see.
         pos = [all_layers.index(layer) for layer in layers]
-        host = torch.sigmoid(modules.rank_gate[pos]).mean()
+        gated = modules.rank_gate[pos] if o.host_rank_values else modules.rank_gate[pos, 0]
+        host = torch.sigmoid(gated).mean()
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
                 + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
-        kept_dirs = float((modules.rank_gate > 0).float().mean())
+        kept_dirs = float((modules.rank_gate[:, :1 + o.host_rank_values] > 0).float().mean())
         logs = {k: v.item() for k, v in mean.items()} | {"host_rank": kept_dirs, "loss": loss.item()}
         return loss, logs
 
