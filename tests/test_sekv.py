@@ -501,6 +501,13 @@ def test_rank_gates_and_quantization_compose(config, bits):
     # a generated row joins quantized too
     m_q.append(both, keys[:, :, :1], values[:, :, :1])
     assert both.host_tier["keys"].view().shape == (1, H, 201, 5)
+    # gates that keep no key direction at all (a trained layer can): the keys are their mean, nothing to code
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, :] = -1.0
+    m_none, none_kept = memory_with(bits, True)
+    assert none_kept.host_tier["keys"].view().shape == (1, H, 200, 0)
+    rk, _ = m_none._recall(none_kept, None)
+    assert torch.allclose(rk, keys.mean(2, keepdim=True).expand_as(rk), atol=1e-5)
 
 
 def test_a_quantization_group_that_does_not_divide_the_head_is_refused(config):

@@ -116,7 +116,7 @@ class LayerMemory(CacheLayerMixin):
         when the cache quantizes KV (masks and other non-float tensors are never quantized, nor rows a method
         stores with ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
-        if spec is not None and quantize and tensor.is_floating_point():
+        if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
             return QuantizedRowBuffer(self.to_host(tensor), spec, pinned=self.pin_host)
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
 
