@@ -116,3 +116,18 @@ def test_an_adapter_takes_the_variants_methods_take(tmp_path, tiny, saved):
     assert quant["device_bytes"] == plain["device_bytes"]
     with pytest.raises(AdapterNotFoundError):
         run_eval(_cfg(tmp_path / "b", [f"{folder}+int3"], methods=[]), *tiny)
+
+
+def test_a_reports_command_names_only_what_selects_the_stored_rows(tmp_path):
+    """A report reads stored rows: its recorded command carries the folder's identity, not methods or sample
+    counts that would read as the report's own (the rows say those)."""
+    from zoomkv.cli import build_parser
+    from zoomkv.commands.eval import command_line
+
+    parse = build_parser().parse_args
+    report = command_line(parse(["eval", "--model", "smollm2-135m", "--report-only", "--protocol", "query-aware",
+                                 "--out", str(tmp_path)]))
+    assert "--report-only" in report and "--protocol query-aware" in report and str(tmp_path) in report
+    assert "--methods" not in report and "--samples" not in report
+    run = command_line(parse(["eval", "--model", "smollm2-135m", "--methods", "quest", "--out", str(tmp_path)]))
+    assert "--methods quest" in run and "--samples" in run

@@ -66,11 +66,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+# What a report's command keeps: the settings that pick which stored rows it reads (the folder's identity).
+REPORT_KEYS = ("model", "report_only", "out", "protocol", "haystack", "chat", "dtype", "seed", "max_new_tokens",
+               "prefill_chunk", "diagnose")
+
+
 def command_line(args: argparse.Namespace) -> str:
-    """The command that reproduces this run, every setting spelled out (recorded in the summary)."""
+    """The command that reproduces this run, every setting spelled out (recorded in the summary). A report
+    reads the rows already stored: only what selects them (model, protocol, folder) applies, and the runs'
+    own settings (methods, samples, ...) would be misread as this report's."""
+    keep = REPORT_KEYS if args.report_only else None
     parts = ["zoomkv", "eval"]
     for key, value in vars(args).items():
         if key in ("func", "command", "list_tasks", "overwrite", "quiet") or value in (None, False, [], ""):
+            continue
+        if keep is not None and key not in keep:
             continue
         if (key == "grid_depths" and not args.grid_lengths) or (key == "data_format" and not args.data):
             continue  # settings of features this run does not use
