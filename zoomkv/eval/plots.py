@@ -22,6 +22,22 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "x"
 
 
+_MARKERS = "osD^v<>pXh*P"
+
+
+def _style(i: int) -> dict[str, Any]:
+    """Line ``i``'s colour and marker: 20 colours and 11 markers, so the 15+ methods of a table stay apart."""
+    return {"color": plt.get_cmap("tab20")(i % 20), "marker": _MARKERS[i % len(_MARKERS)]}
+
+
+def _legend(ax: Any, n: int) -> None:
+    """Inside the axes for a few lines; to the right of them for many, where it would hide points."""
+    if n <= 8:
+        ax.legend(fontsize=8)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
 def _mean_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
     acc: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in rows:
@@ -34,10 +50,11 @@ def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> 
     subset = [r for r in rows if task is None or r["task"] == task]
     means = _mean_scores(subset)
     budgets = sorted({b for (_, b) in means if b}, key=budget_order)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label in dict.fromkeys(lbl for (lbl, b) in means if b):
-        xs = [i for i, b in enumerate(budgets) if (label, b) in means]
-        ax.plot(xs, [means[(label, budgets[i])] for i in xs], marker="o", label=label)
+    labels = list(dict.fromkeys(lbl for (lbl, b) in means if b))
+    fig, ax = plt.subplots(figsize=(6.4 if len(labels) <= 8 else 9.0, 4.2))
+    for i, label in enumerate(labels):
+        xs = [j for j, b in enumerate(budgets) if (label, b) in means]
+        ax.plot(xs, [means[(label, budgets[j])] for j in xs], label=label, **_style(i))
     for (label, b), value in means.items():
         if not b:
             ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{label} (reference)")
@@ -46,7 +63,7 @@ def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> 
     ax.set_ylabel("score (0–100)")
     ax.set_ylim(-3, 103)
     ax.set_title(f"score vs budget: {task or 'all tasks'}")
-    ax.legend(fontsize=8)
+    _legend(ax, len(labels) + 1)
     fig.tight_layout()
     path = out / f"score_vs_budget_{_safe(task or 'all')}.png"
     fig.savefig(path, dpi=110)
@@ -63,20 +80,24 @@ def pareto(rows: list[dict[str, Any]], out: Path) -> Path:
     for (label, budget), rs in groups.items():
         mib = statistics.fmean(r["device_bytes"] for r in rs) / 2**20
         points[label].append((mib, statistics.fmean(r["score"] for r in rs), budget))
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, pts in points.items():
+    fig, ax = plt.subplots(figsize=(6.4 if len(points) <= 8 else 9.0, 4.2))
+    for i, (label, pts) in enumerate(points.items()):
         pts.sort()
         is_ref = all(not b for *_, b in pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if is_ref else "o",
-                markersize=12 if is_ref else 6, linestyle="" if is_ref else "-", label=label)
+        style = {"color": "black", "marker": "*"} if is_ref else _style(i)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], markersize=12 if is_ref else 6,
+                linestyle="" if is_ref else "-", label=label, **style)
         for x, y, b in pts:
             if b:
                 ax.annotate(b, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    xs = [p[0] for pts in points.values() for p in pts if p[0] > 0]
+    if xs and max(xs) > 10 * min(xs):  # compressed methods at a few % of full: a linear axis squeezes them
+        ax.set_xscale("log")
     ax.set_xlabel("device-tier KV per sequence (MiB)")
     ax.set_ylabel("mean score (0–100)")
     ax.set_ylim(-3, 103)
     ax.set_title("score vs device memory (up and left is better)")
-    ax.legend(fontsize=8)
+    _legend(ax, len(points))
     fig.tight_layout()
     path = out / "pareto.png"
     fig.savefig(path, dpi=110)
