@@ -80,7 +80,7 @@ class QuantizedRowBuffer(RowBuffer):
 
     Rows of any width: KV rows (``head_dim``) are grouped ``spec.group_size`` channels at a time; a width the
     group does not divide (a rank-gated host tier's coordinates, say 19 of 64 directions) is one group a row,
-    and int4 pads an odd width with one zero code (two codes share a byte), cut off again by ``view()``."""
+    and int4 pads an odd width with one more column (two codes share a byte), cut off again by ``view()``."""
 
     def __init__(self, data: torch.Tensor, spec: QuantSpec, *, pinned: bool = False):
         self.spec = spec
