@@ -33,8 +33,8 @@ def config():
     return load_model("tiny-llama")[0].config
 
 
-def _memory(config, method, keys, values, surprisal, budget, valid=None, rotary_table=None):
-    cache = ZoomCache(config, method, budget)
+def _memory(config, method, keys, values, surprisal, budget, valid=None, rotary_table=None, kv_quant=None):
+    cache = ZoomCache(config, method, budget, kv_quant=kv_quant)
     memory = cache.layers[0]
     memory.lazy_initialization(keys, values)
     memory.seen = keys.shape[2]
@@ -478,15 +478,8 @@ def test_rank_gates_and_quantization_compose(config, bits):
     method = SeKV(adapter=adapter, host_exact_late=True)
 
     def memory_with(quant, gated):
-        cache = ZoomCache(config, method if gated else SeKV(), 40, kv_quant=quant)
-        memory = cache.layers[0]
-        memory.lazy_initialization(keys, values)
-        memory.seen = keys.shape[2]
-        ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values,
-                             queries=torch.zeros(1, H * G, 200, D), valid=None, budget=40, scaling=D**-0.5,
-                             num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=torch.zeros(1, 200))
-        cache.method.compress(memory, ctx)
-        return cache.method, memory
+        m = method if gated else SeKV()
+        return m, _memory(config, m, keys, values, torch.zeros(1, 200), budget=40, kv_quant=quant)
 
     m_q, both = memory_with(bits, True)
     m_r, rank_only = memory_with(None, True)

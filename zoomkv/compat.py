@@ -73,6 +73,13 @@ def text_config(config: Any) -> Any:
     return get(decoder=True) if get is not None else config
 
 
+def head_dim(config: Any) -> int:
+    """Channels per attention head: the config's ``head_dim`` where it has one (Gemma 3, Qwen3 set it apart
+    from the hidden size), else ``hidden_size / num_attention_heads``."""
+    text = text_config(config)
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def layer_types(config: Any) -> list[str]:
     """Per decoder layer: "full_attention", "sliding_attention", ... (what DynamicCache would build)."""
     config = text_config(config)
@@ -118,7 +125,7 @@ def rotary_frequencies(config: Any, layer_idx: int) -> tuple[torch.Tensor, float
         return None
     kind = own.get("rope_type", "default")
     if kind == "default":
-        dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dim = head_dim(text)
         theta = own.get("rope_theta")
         if not isinstance(theta, int | float) or theta <= 0:
             return None

@@ -139,8 +139,7 @@ class ZoomCache(Cache):
         self.kv_quant = kv_quant if isinstance(kv_quant, QuantSpec) or kv_quant is None else QuantSpec.parse(
             kv_quant, kv_quant_tiers, kv_quant_group
         )
-        text = compat.text_config(config)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = compat.head_dim(config)
         if self.kv_quant is not None and head_dim % min(self.kv_quant.group_size, head_dim):
             raise ConfigError(f"quantization group size {self.kv_quant.group_size} does not divide head_dim {head_dim}")
         if self.kv_quant is not None and self.kv_quant.tiers == "all" and not self.method.quantizable_device:

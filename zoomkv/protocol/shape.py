@@ -74,13 +74,12 @@ class ModelShape:
     def from_config(cls, config: Any, num_parameters: int | None = None) -> ModelShape:
         text = compat.text_config(config)
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         return cls(
             model_type=str(getattr(text, "model_type", "unknown")),
             num_layers=int(text.num_hidden_layers),
             num_attention_heads=int(heads),
             num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
+            head_dim=compat.head_dim(text),
             hidden_size=int(text.hidden_size),
             vocab_size=int(text.vocab_size),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),

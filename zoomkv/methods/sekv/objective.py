@@ -359,11 +359,11 @@ class SeKVTraining(MethodTraining):
         # gate about as far each step whatever its gradient, so a hinge over all layers would pull down the
         # gates of layers whose output error this step does not see.
         pos = [all_layers.index(layer) for layer in layers]
-        gated = modules.rank_gate[pos] if o.host_rank_values else modules.rank_gate[pos, 0]
-        host = torch.sigmoid(gated).mean()
+        gated = slice(None) if o.host_rank_values else slice(0, 1)  # the kinds under the budget: keys (0), values (1)
+        host = torch.sigmoid(modules.rank_gate[pos][:, gated]).mean()
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
                 + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
-        kept_dirs = float((modules.rank_gate[:, :1 + o.host_rank_values] > 0).float().mean())
+        kept_dirs = float((modules.rank_gate[:, gated] > 0).float().mean())
         logs = {k: v.item() for k, v in mean.items()} | {"host_rank": kept_dirs, "loss": loss.item()}
         return loss, logs
 
