@@ -78,7 +78,6 @@ class ProbeMethod(OracleTopK):
 
     def select(self, memory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
         q = group_query(query, keys.shape[1]).to(keys.device)
@@ -87,7 +86,7 @@ class ProbeMethod(OracleTopK):
             q = q + shift[None, :, None, :]
         score = torch.matmul(q, keys.transpose(-1, -2)).float().amax(dim=2)
         idx = score.topk(k, dim=-1).indices.sort(dim=-1).values if k < n else None
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
         return Selection(rk, rv, padding_bias(None, idx, keys.shape[1], query.dtype, query.device))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.method_matrix import method_kwargs
 from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
@@ -99,3 +100,42 @@ def test_sekv_recalls_quantized_rows_under_a_small_budget(bits):
         quantized = sorted(k for k, b in layer.host_tier.items() if isinstance(b, QuantizedRowBuffer))
         assert quantized == ["keys", "values"]
         assert not isinstance(layer.host_tier["fine_rms"], QuantizedRowBuffer)
+
+
+@pytest.mark.parametrize("bits,width", [(8, 64), (4, 64), (8, 19), (4, 19)])
+def test_gather_decodes_the_same_rows_as_the_whole_view(bits, width):
+    x = torch.randn(2, 3, 40, width, dtype=torch.float16)
+    buf = QuantizedRowBuffer(x, QuantSpec(bits=bits, group_size=32))
+    buf.append(torch.randn(2, 3, 5, width, dtype=torch.float16))
+    idx = torch.randint(0, 45, (2, 3, 7), generator=torch.Generator().manual_seed(0))
+    whole = buf.view().gather(2, idx[..., None].expand(-1, -1, -1, width))
+    assert torch.equal(buf.gather(idx), whole)
+    assert torch.equal(buf.gather(None), buf.view())
+
+
+@pytest.mark.parametrize("method", ["quest", "clusterkv", "infinigen", "sentencekv", "sekv"])
+def test_a_decode_step_decodes_only_the_rows_it_gathers(method, monkeypatch, tmp_path):
+    """Under int8 a recallable method's step dequantizes the rows it gathers, not the whole host tier."""
+    import zoomkv.memory.quant as quant
+
+    model, _ = load_model("tiny-llama")
+    n, budget = 300, 32
+    ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(2))
+    cache = ZoomCache(model, method, budget, kv_quant="int8", **method_kwargs(method, model, tmp_path))
+    kwargs = generate_cache_kwargs(cache)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **kwargs)
+    decoded: list[int] = []
+    real = quant.dequantize
+
+    def counting(codes, *args):
+        decoded.append(codes.shape[2])
+        return real(codes, *args)
+
+    monkeypatch.setattr(quant, "dequantize", counting)
+    with torch.no_grad():
+        model(input_ids=ids[:, :1], use_cache=True, **kwargs)
+    zoom = sum(row.kind == "zoom" for row in cache.memory_report().layers)
+    assert decoded and len(decoded) <= 2 * zoom * 2  # keys and values, a method may gather twice
+    # before, every gather decoded all n rows; clusterkv also decodes the members of the cluster it cuts
+    assert max(decoded) <= (n // 2 if method == "clusterkv" else 2 * budget) < n

@@ -123,5 +123,14 @@ class QuantizedRowBuffer(RowBuffer):
         self.length += rows.shape[2]
 
     def view(self) -> torch.Tensor:
-        rows = dequantize(self.codes.view(), self.scale.view(), self.lo.view(), self.spec.bits, self.dtype)
+        return self._decoded(self.codes.view(), self.scale.view(), self.lo.view())
+
+    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
+        """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held)."""
+        if idx is None:
+            return self.view()
+        return self._decoded(self.codes.gather(idx), self.scale.gather(idx), self.lo.gather(idx))
+
+    def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(codes, scale, lo, self.spec.bits, self.dtype)
         return rows[..., : self.width] if self.pad else rows

@@ -43,6 +43,15 @@ class RowBuffer:
     def view(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
+    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``idx`` (``[b, h, k]`` row ids; None: every row) as a ``[b, h, k, dim]`` tensor where the
+        buffer lives."""
+        rows = self.view()
+        if idx is None:
+            return rows
+        at = idx.to(rows.device)[..., None].expand(-1, -1, -1, rows.shape[-1])
+        return rows.gather(2, at)
+
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[2]
         if self.length + n > self.capacity:

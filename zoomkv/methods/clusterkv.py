@@ -172,9 +172,7 @@ class ClusterKV(RecallableMethod):
         slot_ok = None
         if recall > 0:
             rows, slot_ok = self._recall_index(memory, query, recall)
-            host_k, host_v = memory.host_tier["keys"].view(), memory.host_tier["values"].view()
-            sel_k = host_k.gather(2, rows[..., None].expand(-1, -1, -1, host_k.shape[-1]))
-            sel_v = host_v.gather(2, rows[..., None].expand(-1, -1, -1, host_v.shape[-1]))
+            sel_k, sel_v = memory.host_tier["keys"].gather(rows), memory.host_tier["values"].gather(rows)
             pinned = memory.pin_host
             work_k[:, :, sinks:start].copy_(sel_k, non_blocking=pinned)
             work_v[:, :, sinks:start].copy_(sel_v, non_blocking=pinned)
@@ -227,8 +225,7 @@ class ClusterKV(RecallableMethod):
         member = torch.arange(width)
         member_pos = (starts.gather(-1, cluster) + member).clamp_(max=m - 1)  # [b, h, width]
         member_rows = perm.gather(-1, member_pos)
-        host_k = memory.host_tier["keys"].view()
-        member_k = host_k.gather(2, member_rows[..., None].expand(-1, -1, -1, host_k.shape[-1]))
+        member_k = memory.host_tier["keys"].gather(member_rows)
         member_score = torch.matmul(q.to(member_k.device), member_k.float().transpose(-1, -2)).sum(dim=2)
         member_score = member_score.masked_fill(member >= count, float("-inf"))
         ranked = member_pos.gather(-1, member_score.argsort(dim=-1, descending=True, stable=True))

@@ -161,8 +161,7 @@ class InfiniGen(RecallableMethod):
             return speculative_query(own, previous.hidden).to(query.dtype)
 
     def select_rows(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
-        keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
+        keys, values = memory.host_tier["keys"], memory.host_tier["values"]
         n, budget = host_length(memory), memory.meta["budget"]
         valid = host_valid(memory)
         idx = None
@@ -176,4 +175,4 @@ class InfiniGen(RecallableMethod):
             rank[..., -1] = float("inf")  # the newest row is always attended
             idx = rank.topk(count + 1, dim=-1).indices.sort(dim=-1).values
         rk, rv = recall_rows(memory, keys, values, idx)
-        return Selection(rk, rv, padding_bias(valid, idx, keys.shape[1], query.dtype, query.device))
+        return Selection(rk, rv, padding_bias(valid, idx, rk.shape[1], query.dtype, query.device))

@@ -44,8 +44,7 @@ class OracleTopK(KVMethod):
             memory.host_tier["valid"].append(ones)
 
     def select(self, memory, query: torch.Tensor) -> Selection:
-        keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
+        keys = memory.host_tier["keys"].view()  # every row is scored: the oracle reads the whole tier
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
         q = group_query(query, keys.shape[1]).to(keys.device)  # [b, h, g, d]; scored where the keys live
@@ -62,5 +61,5 @@ class OracleTopK(KVMethod):
         if k < n:
             # Sorted so that rows keep sequence order (at budgets covering everything: exactly full attention).
             idx = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, h, k]
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
         return Selection(rk, rv, padding_bias(valid, idx, keys.shape[1], query.dtype, query.device))

@@ -146,9 +146,8 @@ class Quest(RecallableMethod):
         live.fill_(True)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
-        keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
-        kv_heads, n = keys.shape[1], keys.shape[2]
+        keys, values = memory.host_tier["keys"], memory.host_tier["values"]
+        kv_heads, n = memory.device_tier["page_min"].view().shape[1], keys.length
         ps = self.config.page_size
         page_min = memory.device_tier["page_min"].view()
         pages = page_min.shape[2]

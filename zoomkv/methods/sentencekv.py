@@ -218,15 +218,14 @@ class SentenceKV(KVMethod):
     def select(self, memory: LayerMemory, query: torch.Tensor) -> Selection:
         tier = memory.device_tier
         tier["query_sum"] += query[:, :, 0].float()
-        keys = memory.host_tier["keys"].view()
-        values = memory.host_tier["values"].view()
-        n, budget = keys.shape[2], memory.meta["budget"]
+        keys, values = memory.host_tier["keys"], memory.host_tier["values"]
+        n, budget = keys.length, memory.meta["budget"]
         idx = None
         if n > budget:
             idx = self._recall_index(memory, budget)
         rk, rv = recall_rows(memory, keys, values, idx)
         valid = memory.host_tier["valid"].view()[..., 0] if "valid" in memory.host_tier else None
-        bias = padding_bias(valid, idx, keys.shape[1], query.dtype, query.device)
+        bias = padding_bias(valid, idx, rk.shape[1], query.dtype, query.device)
         if memory.meta["may_close"]:
             self._close_sentences(memory)
         return Selection(rk, rv, bias)

@@ -20,6 +20,19 @@ import torch
 from zoomkv.errors import BudgetError, ConfigError
 
 
+class HostRows(Protocol):
+    """A growable row buffer as a method sees it (``zoomkv.memory.tiers.RowBuffer``, or its quantized kind):
+    ``view()`` is every row held, ``gather(idx)`` only rows ``idx`` (the quantized kind decodes only those)."""
+
+    length: int
+
+    def view(self) -> torch.Tensor: ...
+
+    def gather(self, idx: torch.Tensor | None) -> torch.Tensor: ...
+
+    def append(self, rows: torch.Tensor) -> None: ...
+
+
 class Memory(Protocol):
     """What a method sees of one layer's memory (``zoomkv.memory.layer.LayerMemory`` is the real one): the two
     tiers it stores tensors in, small Python values in ``meta``, and the buffer factories that put a tensor
@@ -33,9 +46,9 @@ class Memory(Protocol):
     value_dim: int
     dtype: torch.dtype
 
-    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> Any: ...
+    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> HostRows: ...
 
-    def device_rows_buffer(self, tensor: torch.Tensor) -> Any: ...
+    def device_rows_buffer(self, tensor: torch.Tensor) -> HostRows: ...
 
     def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 

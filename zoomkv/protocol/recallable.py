@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zoomkv.errors import ConfigError
-from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, Selection
+from zoomkv.protocol.method import HostRows, KVMethod, Memory, PrefillContext, Selection
 
 
 # -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
@@ -93,22 +93,17 @@ def reserve_recall_buffer(memory, rows: int, prefix: str = "recall") -> None:
 
 
 def recall_rows(
-    memory, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor | None, prefix: str = "recall"
+    memory, keys: HostRows, values: HostRows, idx: torch.Tensor | None, prefix: str = "recall"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather rows ``idx`` (``[b, h, k]``, or None for all rows) of host-tier ``keys``/``values``
-    (``[b, h, n, d]``) into the device recall buffer; returns views of the filled part."""
-    k = keys.shape[2] if idx is None else idx.shape[2]
+    """Gather rows ``idx`` (``[b, h, k]``, or None for all rows) of the host-tier row buffers ``keys`` /
+    ``values`` into the device recall buffer; returns views of the filled part. Quantized buffers decode
+    only the rows gathered."""
+    k = keys.length if idx is None else idx.shape[2]
     reserve_recall_buffer(memory, k, prefix)
-    if idx is None:
-        sel_k, sel_v = keys, values
-    else:
-        idx = idx.to(keys.device)
-        sel_k = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        sel_v = torch.gather(values, 2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
     rk = memory.device_tier[f"{prefix}_keys"][:, :, :k]
     rv = memory.device_tier[f"{prefix}_values"][:, :, :k]
-    rk.copy_(sel_k, non_blocking=True)
-    rv.copy_(sel_v, non_blocking=True)
+    rk.copy_(keys.gather(idx), non_blocking=True)
+    rv.copy_(values.gather(idx), non_blocking=True)
     return rk, rv
 
 

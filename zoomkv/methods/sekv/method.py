@@ -364,20 +364,17 @@ class SeKV(RecallableMethod):
         return project(x, dev[f"{name}_mean"], dev[f"{name}_directions"]).to(rows.dtype)
 
     def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = memory.host_tier["keys"].view(), memory.host_tier["values"].view()
+        keys, values = memory.host_tier["keys"], memory.host_tier["values"]
         if not memory.meta["low_rank"]:
             return recall_rows(memory, keys, values, idx)
         dev = memory.device_tier
-        k = keys.shape[2] if idx is None else idx.shape[2]
+        k = keys.length if idx is None else idx.shape[2]
         reserve_recall_buffer(memory, k)
         at_rows = torch.arange(k, device=dev["recall_keys"].device)[None, None] if idx is None else \
             idx.to(dev["recall_keys"].device)
         out = []
-        for name, rows in (("keys", keys), ("values", values)):
-            if idx is not None:
-                at = idx.to(rows.device)[..., None]
-                rows = rows.gather(2, at.expand(-1, -1, -1, rows.shape[-1]))
-            rows = rows.to(dev["recall_keys"].device, non_blocking=True)
+        for name, held in (("keys", keys), ("values", values)):
+            rows = held.gather(idx).to(dev["recall_keys"].device, non_blocking=True)
             if memory.meta["low_rank"].get(name):
                 rows = reconstruct(rows, dev[f"{name}_mean"], dev[f"{name}_directions"])
                 if name == "keys" and "rope_inv_freq" in dev:

@@ -347,9 +347,7 @@ class SemanticID(KVMethod):
         # Index arithmetic on the host, next to the rows it addresses; only the chosen mask moves.
         rows, ok = group_members(chosen.to(perm.device), count.to(perm.device), starts, perm, recall)
         if bool(ok.any()):
-            host_k, host_v = host["keys"].view(), host["values"].view()
-            sel_k = host_k.gather(2, rows[..., None].expand(-1, -1, -1, host_k.shape[-1]))
-            sel_v = host_v.gather(2, rows[..., None].expand(-1, -1, -1, host_v.shape[-1]))
+            sel_k, sel_v = host["keys"].gather(rows), host["values"].gather(rows)
             tier["keys"][:, :, :recall].copy_(sel_k, non_blocking=memory.pin_host)
             tier["values"][:, :, :recall].copy_(sel_v, non_blocking=memory.pin_host)
         tier["recall_ok"].copy_(ok)
