@@ -136,3 +136,18 @@ def test_wilson_interval_matches_the_published_formula():
     assert abs(lo - 0.4902) < 1e-3 and abs(hi - 0.9433) < 1e-3
     assert wilson(0.0, 10)[0] == 0.0 and abs(wilson(0.0, 10)[1] - 0.2775) < 1e-3
     assert abs(wilson(1.0, 10)[0] - 0.7225) < 1e-3 and abs(wilson(1.0, 10)[1] - 1.0) < 1e-9
+
+
+def test_summary_says_when_rows_hold_different_samples():
+    from zoomkv.eval.summary import aggregate, markdown
+
+    def row(method, sample, score):
+        return {"method": method, "budget": "64" if method != "full" else None, "task": "t", "length": 100,
+                "sample": sample, "score": score, "device_bytes": 1, "host_bytes": 0, "full_kv_bytes": 2,
+                "decode_ms_per_token": 1.0, "prefill_s": 0.1}
+
+    even = [row("full", i, 100.0) for i in range(3)] + [row("snapkv", i, 0.0) for i in range(3)]
+    assert "not a like-for-like" not in markdown(aggregate(even), even, {})
+    uneven = even[:-1]  # snapkv resumed short of full's samples
+    text = markdown(aggregate(uneven), uneven, {})
+    assert "not a like-for-like" in text and "n=2" in text

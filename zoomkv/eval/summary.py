@@ -110,6 +110,9 @@ def markdown(summary: list[dict[str, Any]], rows: list[dict[str, Any]], header: 
                  _fmt(s["avg"], ".1f"), _fmt(s["device_ratio"], ".1%"), _fmt(s["host_ratio"], ".1%"),
                  _fmt(s["decode_ms_per_token"], ".1f"), _fmt(s["decode_ratio"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    if len({tuple(sorted(s["samples"].items())) for s in summary}) > 1:  # a folder resumed or merged unevenly
+        lines += ["", "Rows differ in which tasks or how many samples they hold (n in the interval table below): "
+                  "their avg, bytes and speed are over different prompts, not a like-for-like comparison."]
     lines += ["", "## 95% intervals (Wilson, per task cell: score [low–high], samples)", "",
               "| method | budget | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 2)]
     for s in summary:
