@@ -35,7 +35,7 @@ def _compresskv_profile(model, folder: Path) -> Path:
 def _infinigen_profile(model, folder: Path) -> Path:
     text = compat.text_config(model.config)
     kv_heads = text.num_key_value_heads
-    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    d = compat.head_dim(model.config)
     k = partial_channels(d, 0.2)
     layers = {i: (torch.eye(d).expand(kv_heads, d, d).clone(), torch.arange(k).expand(kv_heads, k).clone())
               for i in _full_layers(model)}
