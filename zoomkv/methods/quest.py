@@ -147,10 +147,9 @@ class Quest(RecallableMethod):
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
-        kv_heads, n = memory.device_tier["page_min"].view().shape[1], keys.length
         ps = self.config.page_size
         page_min = memory.device_tier["page_min"].view()
-        pages = page_min.shape[2]
+        kv_heads, pages, n = page_min.shape[1], page_min.shape[2], keys.length
         budget = memory.meta["budget"]
         idx = None
         # While every row fits the budget, every row is attended (exactly full attention); only then

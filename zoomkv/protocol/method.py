@@ -20,8 +20,8 @@ import torch
 from zoomkv.errors import BudgetError, ConfigError
 
 
-class HostRows(Protocol):
-    """A growable row buffer as a method sees it (``zoomkv.memory.tiers.RowBuffer``, or its quantized kind):
+class RowBufferLike(Protocol):
+    """A growable row buffer (either tier) as a method sees it (``zoomkv.memory.tiers.RowBuffer``, or its quantized kind):
     ``view()`` is every row held, ``gather(idx)`` only rows ``idx`` (the quantized kind decodes only those)."""
 
     length: int
@@ -46,9 +46,9 @@ class Memory(Protocol):
     value_dim: int
     dtype: torch.dtype
 
-    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> HostRows: ...
+    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> RowBufferLike: ...
 
-    def device_rows_buffer(self, tensor: torch.Tensor) -> HostRows: ...
+    def device_rows_buffer(self, tensor: torch.Tensor) -> RowBufferLike: ...
 
     def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 

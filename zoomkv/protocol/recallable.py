@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zoomkv.errors import ConfigError
-from zoomkv.protocol.method import HostRows, KVMethod, Memory, PrefillContext, Selection
+from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, RowBufferLike, Selection
 
 
 # -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
@@ -93,7 +93,7 @@ def reserve_recall_buffer(memory, rows: int, prefix: str = "recall") -> None:
 
 
 def recall_rows(
-    memory, keys: HostRows, values: HostRows, idx: torch.Tensor | None, prefix: str = "recall"
+    memory, keys: RowBufferLike, values: RowBufferLike, idx: torch.Tensor | None, prefix: str = "recall"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather rows ``idx`` (``[b, h, k]``, or None for all rows) of the host-tier row buffers ``keys`` /
     ``values`` into the device recall buffer; returns views of the filled part. Quantized buffers decode
