@@ -285,3 +285,18 @@ def test_a_rank_budget_on_the_keys_alone_leaves_every_value_direction(tmp_path):
     a = load_file(str(out / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
     assert torch.equal(a["rank_gate"][:, 1], torch.full_like(a["rank_gate"][:, 1], 3.0))
     assert (a["rank_gate"][:, 0] > 0).float().mean() < 1
+
+
+def test_the_rank_hinge_sees_the_share_the_host_really_keeps():
+    """The budget's hinge is over the hard share of kept directions: logits just below 0 keep nothing, and the
+    hinge stops pushing them, though their sigmoids (≈ 0.48) are above a 0.4 target."""
+    from zoomkv.methods.sekv.objective import kept_share
+
+    below = torch.full((2, 64), -0.1, requires_grad=True)
+    share = kept_share(below)
+    assert share.item() == 0.0
+    torch.relu(share - 0.4).backward()
+    assert below.grad.abs().sum() == 0
+    above = torch.full((2, 64), 0.1, requires_grad=True)
+    torch.relu(kept_share(above) - 0.4).backward()
+    assert kept_share(above).item() == pytest.approx(1.0) and bool((above.grad > 0).all())
