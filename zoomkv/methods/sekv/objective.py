@@ -172,9 +172,10 @@ def rank_gates(adapter: SeKVAdapter, layer: int) -> torch.Tensor:
 
 
 def kept_share(logits: torch.Tensor) -> torch.Tensor:
-    """The share of directions gates ``logits`` keep, hard forward, the sigmoid's gradient backward. Over the
-    soft share, a hinge kept pushing while the logits sat just below 0 (sigmoid ≈ 0.5 above a 0.4 target with
-    nothing kept): that is how the gates overshot to 0.05 of a 0.36 target."""
+    """The share of directions gates ``logits`` keep, hard forward, the sigmoid's gradient backward: the hinge
+    sees what the host tier will hold. (Over the soft share it kept pushing while logits sat just below 0, a
+    sigmoid of ≈ 0.5 above a 0.4 target with nothing kept. The gates still overshoot their target early in a
+    run, as before: Adam's momentum carries them on for steps after the hinge lets go; BENCHMARKS.md.)"""
     return straight_through(logits).mean()
 
 
