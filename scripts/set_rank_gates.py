@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.weights import sha256
+from zoomkv.cli_args import parse_method_args
 
 ON, OFF = 3.0, -3.0  # gate logits: a direction is kept when its logit is > 0
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def layer_list(text: str) -> list[int]:
@@ -34,38 +36,30 @@ def layer_list(text: str) -> list[int]:
     return out
 
 
-def parse_value(text: str) -> object:
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="an sekv adapter folder")
-    parser.add_argument("out", type=Path, help="the folder to write (replaced if it exists)")
+    parser.add_argument("out", type=Path, help="the folder to write (its files replaced if it exists)")
     parser.add_argument("--layers", required=True, help="layers to cut, e.g. 0-9,20-29")
     parser.add_argument("--keys", type=int, required=True, help="key directions kept in those layers")
     parser.add_argument("--values", type=int, required=True, help="value directions kept in those layers")
     parser.add_argument("--hyper", action="append", default=[], metavar="KEY=VALUE",
-                        help="an inference option written into the copy's config")
+                        help="an inference option written into the copy's config (a YAML value)")
     args = parser.parse_args()
-    tensors = load_file(str(args.source / "adapter_model.safetensors"))
+    tensors = load_file(str(args.source / WEIGHTS))
     gates = tensors["rank_gate"].clone()  # [layers, 2 (keys, values), head_dim]
     gates.fill_(ON)
     for layer in layer_list(args.layers):
         gates[layer, 0, args.keys:] = OFF
         gates[layer, 1, args.values:] = OFF
     tensors["rank_gate"] = gates
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    shutil.copytree(args.source, args.out)
-    save_file(tensors, str(args.out / "adapter_model.safetensors"))
-    config = json.loads((args.out / "adapter_config.json").read_text())
-    for item in args.hyper:
-        key, _, value = item.partition("=")
-        config["hyper"][key] = parse_value(value)
-    config["weights_sha256"] = sha256((args.out / "adapter_model.safetensors").read_bytes())
-    (args.out / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    print(args.out)
+    weights = save(tensors)
+    config = json.loads((args.source / CONFIG).read_text())
+    config["hyper"].update(parse_method_args(args.hyper))
+    config["weights_sha256"] = sha256(weights)
+    files = {f.name: f.read_bytes() for f in sorted(args.source.iterdir()) if f.is_file()}
+    files |= {WEIGHTS: weights, CONFIG: json.dumps(config, indent=1).encode()}
+    print(write_folder_atomically(args.out, files, overwrite=True))
 
 
 if __name__ == "__main__":
