@@ -412,32 +412,79 @@ def test_model_card_metadata(tmp_path, probe_method, llama):
     out = fresh_adapter(llama[0]).save_pretrained(tmp_path / "a", scores=load_scores(scores_file))
     card = ModelCard.load(out / "README.md")
     data = card.data.to_dict()
-    assert data["library_name"] == "zoomkv"
+    assert data["library_name"] == "zoomkv" and data["license"] == "unknown"  # a test model has no licence
     assert {"zoomkv", "kv-cache", PROBE} <= set(data["tags"])
     assert data["zoomkv"]["method"] == PROBE and data["zoomkv"]["budget"] == 8
     assert data["zoomkv"]["base_model_name"] == "tiny-llama"
     assert 0 < data["zoomkv"]["trainable_fraction"] < 1
-    assert {"name": "ruler_niah", "accuracy": 0.93, "n": 40} in data["zoomkv"]["scores"]
+    # Named metrics of another tool become model-index results (counts are not metrics).
+    results = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results == {("ruler_niah", "accuracy"): 0.93, ("longbench_qa", "f1"): 0.41}
     text = card.text
-    for needle in ("tiny-llama", PROBE, "budget", "trainable fraction", "0.93", "8192", "0.91"):
+    for needle in ("tiny-llama", PROBE, "budget", "trainable fraction", "0.93"):
         assert needle in text
+    assert "8192" not in text  # the raw rows stay in the evaluation's files when a summary came with them
+    # Both loaders in the usage section.
+    assert "cache_from_adapter(model, ADAPTER" in text and "AutoPeftModelForCausalLM.from_pretrained(ADAPTER)" in text
+    assert 'pipeline("text-generation", model=model' in text
+
+
+def _eval_folder(tmp_path: Path, adapter: ZoomAdapter, model: str = "tiny-llama") -> Path:
+    """What `zoomkv eval --adapter` writes: the adapter's rows labelled METHOD:NAME@SHA8 beside full's."""
+    out = tmp_path / "eval"
+    out.mkdir(exist_ok=True)
+    label = f"{PROBE}:a@{(adapter.config.weights_sha256 or 'unsigned')[:8]}"
+    summary = [
+        {"config": "full", "method": "full", "budget": None, "rows": 2, "score": {"niah_single": 100.0},
+         "samples": {"niah_single": 2}, "interval95": {"niah_single": [34.23802239546493, 100.0]}, "avg": 100.0,
+         "device_ratio": 1.0, "host_ratio": 0.0, "decode_ratio": 1.0},
+        {"config": label, "method": label, "budget": "8", "rows": 2, "score": {"niah_single": 75.0},
+         "samples": {"niah_single": 2}, "interval95": {"niah_single": [20.65491, 99.123456789]}, "avg": 75.0,
+         "device_ratio": 0.123456, "host_ratio": 0.87654, "decode_ratio": 0.81234},
+    ]
+    (out / "summary.json").write_text(json.dumps({"run": {"model": model}, "summary": summary}))
+    (out / "rows.json").write_text(json.dumps([{"task": "niah_single", "length": 512, "score": 100.0, "model": model},
+                                               {"task": "niah_single", "length": 512, "score": 50.0, "model": model}]))
+    return out
 
 
 def test_model_card_from_eval_output_folder(tmp_path, probe_method, llama):
-    """The files `zoomkv eval --out DIR` writes: summary.json (nested per-task scores) and rows.json."""
+    """The files `zoomkv eval --out DIR` writes: the card's table is the summary rounded as summary.md rounds
+    it (no raw rows, no 16-digit intervals), and model-index holds the adapter's own scores."""
     from huggingface_hub import ModelCard
 
-    out = tmp_path / "eval"
-    out.mkdir()
-    summary = [{"config": PROBE, "method": PROBE, "budget": "8", "rows": 2, "score": {"niah_single": 0.75},
-                "avg": 0.75, "device_ratio": 0.1, "decode_ratio": None}]
-    (out / "summary.json").write_text(json.dumps({"run": {"model": "tiny-llama"}, "summary": summary}))
-    (out / "rows.json").write_text(json.dumps([{"task": "niah_single", "length": 512, "score": 1.0},
-                                               {"task": "niah_single", "length": 512, "score": 0.5}]))
-    folder = fresh_adapter(llama[0]).save_pretrained(tmp_path / "a", scores=load_scores(out))
+    adapter = fresh_adapter(llama[0])
+    adapter.serialise()  # records the weights' checksum, which the eval's label carries
+    folder = adapter.save_pretrained(tmp_path / "a", scores=load_scores(_eval_folder(tmp_path, adapter)))
     card = ModelCard.load(folder / "README.md")
-    assert card.data.to_dict()["zoomkv"]["scores"][0]["score.niah_single"] == 0.75
-    assert "score.niah_single" in card.text and "| niah_single | 512 | 0.5 |" in card.text
+    assert "| full | – | 100.0 [34–100] n=2 | 100.0 | 100.0% | 0.0% | 1.00 |" in card.text
+    assert "75.0 [21–99] n=2 | 75.0 | 12.3% | 87.7% | 0.81 |" in card.text
+    assert "34.238" not in card.text and "| 512 |" not in card.text
+    (result,) = card.data.eval_results  # the adapter's row only: full is a baseline, not this model
+    assert (result.dataset_name, result.metric_value, result.metric_config) == ("niah_single", 75.0, "budget=8")
+    assert card.data.model_name and "model-index:" in (folder / "README.md").read_text()
+
+
+def test_export_refuses_scores_of_another_base_model(tmp_path, probe_method, llama, capsys):
+    """`zoomkv export --scores RUN`: scores measured on another base model than the adapter's are refused in one
+    line (exit 2); a registered name and its Hub id are the same model."""
+    from zoomkv.cli import main
+
+    ckpt = _checkpoint(tmp_path, llama[0])
+    other = _eval_folder(tmp_path, fresh_adapter(llama[0]), model="tiny-qwen3")
+    assert main(["export", str(ckpt), "--scores", str(other), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "'tiny-qwen3', not on the adapter's base model 'tiny-llama'" in err
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "same").mkdir()
+    same = _eval_folder(tmp_path / "same", fresh_adapter(llama[0]))
+    assert main(["export", str(ckpt), "--scores", str(same), "--out", str(tmp_path / "y"), "--license", "mit"]) == 0
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(tmp_path / "y" / "README.md").data.license == "mit"
+    from zoomkv.adapters.export import check_scores_base
+
+    check_scores_base({"models": ["smollm2-135m"]}, "HuggingFaceTB/SmolLM2-135M-Instruct")  # one model, two names
 
 
 def test_model_card_base_model_hub_id(probe_method, llama):
@@ -447,6 +494,7 @@ def test_model_card_base_model_hub_id(probe_method, llama):
     config.base_model = {**config.base_model, "name": "smollm2-135m"}
     data = ModelCard(render_card(config)).data.to_dict()
     assert data["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert data["license"] == "apache-2.0"  # the registered base model's licence
     config.base_model = {**config.base_model, "name": "tiny-llama"}
     assert "base_model" not in ModelCard(render_card(config)).data.to_dict()  # not a Hub id: left out
 

@@ -275,6 +275,44 @@ def test_peft_push_and_pull_through_loopback_hub(tmp_path, fake_hub, probe_metho
     assert run(load_model("tiny-llama")[0], tok, ZoomAdapter.from_pretrained("dave/probe-peft")) == peft_expected
 
 
+def test_peft_push_to_hub_and_zoomkv_push_publish_the_same_repo(tmp_path, fake_hub, probe_method, llama):  # noqa: F811
+    """One adapter published both ways: `zoomkv push` of its export, and PeftModel.push_to_hub of the PEFT model
+    loaded from that export. The same files, the same card (zoomkv's, not PEFT's generic one), and each loads
+    through the other's loader to the same tokens."""
+    from huggingface_hub import ModelCard
+
+    peft = pytest.importorskip("peft")
+    from tests.test_adapter_peft import peft_run
+    from zoomkv.cli import main
+
+    hub, endpoint = fake_hub
+    model, tok = llama
+    adapter = fresh_adapter(model)
+    expected = run(model, tok, adapter)
+    folder = adapter.save_pretrained(tmp_path / "export")
+    assert main(["push", str(folder), "--repo-id", "fay/probe", "--endpoint", endpoint]) == 0
+    peft_model = peft.PeftModel.from_pretrained(load_model("tiny-llama")[0], str(folder))
+    peft_model.push_to_hub("fay/probe-peft")
+    ours = hub.repos["fay/probe"][hub.heads["fay/probe"]]
+    theirs = hub.repos["fay/probe-peft"][hub.heads["fay/probe-peft"]]
+    assert sorted(ours) == sorted(theirs) == ["README.md", CONFIG_NAME, WEIGHTS_NAME]
+    assert theirs["README.md"] == ours["README.md"]
+    card = ModelCard(theirs["README.md"].decode())
+    assert card.data.library_name == "zoomkv" and "Model Card for Model ID" not in card.text
+    ours_config, theirs_config = json.loads(ours[CONFIG_NAME]), json.loads(theirs[CONFIG_NAME])
+    for key in ("peft_type", "task_type", "base_model_name_or_path", "method", "hyper", "base_model", "budget"):
+        assert ours_config[key] == theirs_config[key], key
+    assert run(load_model("tiny-llama")[0], tok, ZoomAdapter.from_pretrained("fay/probe-peft")) == expected
+    assert peft_run(peft.PeftModel.from_pretrained(load_model("tiny-llama")[0], "fay/probe"), tok) == expected
+
+    # A card of the user's own in the folder PEFT saves into is theirs: PEFT adds its tags, zoomkv leaves it.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("---\nlicense: mit\n---\n\n# My adapter\n\nNotes.\n")
+    peft_model.save_pretrained(mine)
+    assert "# My adapter" in (mine / "README.md").read_text()
+
+
 def test_push_to_unreachable_hub_is_a_one_line_error(tmp_path, probe_method, llama, monkeypatch, capsys):  # noqa: F811
     from zoomkv.cli import main
 

@@ -75,6 +75,10 @@ def test_peft_save_loads_in_zoomkv_with_same_tokens(tmp_path):
     peft_model.save_pretrained(tmp_path / "peft")
     assert sorted(load_file(tmp_path / "peft" / WEIGHTS_NAME)) == ["base_model.zoomkv_modules.query_shift",
                                                                    "base_model.zoomkv_modules.steps"]
+    saved = json.loads((tmp_path / "peft" / CONFIG_NAME).read_text())
+    # the base model under its one name (not PEFT's name_or_path of the model), and the task AutoPeft needs
+    assert saved["base_model_name_or_path"] == saved["base_model"]["name"] == "tiny-llama"
+    assert saved["task_type"] == "CAUSAL_LM"
     loaded = ZoomAdapter.from_pretrained(tmp_path / "peft")
     fresh, _ = load_model("tiny-llama")
     assert run(fresh, tok, loaded) == expected
@@ -147,3 +151,90 @@ def test_peft_generate_without_a_budget_says_how_to_give_one():
     with torch.inference_mode():
         out = peft_model.generate(**inputs, max_new_tokens=2, **generate_cache_kwargs(cache_from_peft(peft_model, 8)))
     assert out.shape[1] == inputs["input_ids"].shape[1] + 2
+
+
+@pytest.fixture
+def saved_base(tmp_path):
+    """tiny-llama saved as a folder, and loaded from it: its path is a name AutoModelForCausalLM can load, as a
+    Hub id would be for a real base model."""
+    model, tok = load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    return load_model(str(tmp_path / "base"))
+
+
+@pytest.mark.usefixtures("probe_method")
+def test_autopeft_loads_an_export_and_generates_with_its_cache(tmp_path, saved_base, capfd):
+    """``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` loads the base model the config names and its
+    ``generate`` runs the adapter's cache (the same tokens as zoomkv's own loader); ``pipeline("text-generation")``
+    takes the result without PEFT's "not supported" error and gives the same text."""
+    from peft import AutoPeftModelForCausalLM, PeftModelForCausalLM
+    from transformers import pipeline
+
+    model, tok = saved_base
+    adapter = fresh_adapter(model)
+    expected = run(model, tok, adapter)
+    folder = adapter.save_pretrained(tmp_path / "export")
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["inference_mode"] is True
+    assert config["peft_version"] == __import__("peft").__version__
+    assert config["base_model_name_or_path"] == config["base_model"]["name"] == str(tmp_path / "base")
+
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    assert isinstance(peft_model, PeftModelForCausalLM)
+    inputs = tok([PROMPT], return_tensors="pt")
+    settings = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": tok.pad_token_id}
+    with torch.inference_mode():
+        out = peft_model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+        plain = peft_model.get_base_model().generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert out == expected and plain != expected  # the adapter's cache, not plain attention
+
+    capfd.readouterr()
+    generator = pipeline("text-generation", model=peft_model, tokenizer=tok)
+    text = generator(PROMPT, return_full_text=False, **settings)[0]["generated_text"]
+    assert "not supported" not in capfd.readouterr().err
+    assert text == tok.decode(expected, skip_special_tokens=True)
+    # PeftModel.from_pretrained gives the same class, so the pipeline takes it too.
+    assert isinstance(PeftModel.from_pretrained(load_model(str(tmp_path / "base"))[0], str(folder)),
+                      PeftModelForCausalLM)
+
+
+@pytest.mark.usefixtures("probe_method")
+def test_base_model_recorded_as_its_hub_id_and_old_names_still_load(tmp_path, recwarn):
+    """A registered base model is recorded under the Hub id its weights come from, in the config (and so in
+    PEFT's base_model_name_or_path) and the card alike; an adapter written with the registered name loads, as
+    the same model, through zoomkv and PEFT."""
+    from huggingface_hub import ModelCard
+
+    model, tok = load_model("tiny-llama")
+    adapter = fresh_adapter(model)
+    adapter.config.base_model = {**adapter.config.base_model, "name": "smollm2-135m"}
+    adapter.config.__post_init__()
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = adapter.save_pretrained(tmp_path / "new")
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    assert config["base_model"]["name"] == config["base_model_name_or_path"] == hub_id
+    assert ModelCard.load(folder / "README.md").data.base_model == hub_id
+    assert f"`{hub_id}`" in (folder / "README.md").read_text()
+
+    # An older export: the registered name in both fields.
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("README.md", WEIGHTS_NAME):
+        (old / name).write_bytes((folder / name).read_bytes())
+    config["base_model"]["name"] = config["base_model_name_or_path"] = "smollm2-135m"
+    for key in ("task_type", "inference_mode", "peft_version"):  # keys it did not write yet
+        del config[key]
+    (old / CONFIG_NAME).write_text(json.dumps(config))
+    loaded = ZoomAdapter.from_pretrained(old)
+    assert loaded.config.base_model["name"] == hub_id
+    model.zoomkv_name = "smollm2-135m"  # as load_model("smollm2-135m") names the model it loads
+    loaded.check_base(model)
+    assert not [w for w in recwarn if "loaded onto" in str(w.message)]  # the same model: no warning
+    old_config = ZoomKVPeftConfig.from_pretrained(str(old))
+    assert old_config.base_model_name_or_path == hub_id and old_config.task_type == "CAUSAL_LM"
+    from peft import PeftModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(load_model("tiny-llama")[0], str(old))
+    assert isinstance(peft_model, PeftModelForCausalLM)
+    assert peft_run(peft_model, tok) == run(model, tok, adapter)

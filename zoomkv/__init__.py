@@ -37,13 +37,21 @@ def _register_with_peft() -> None:
         def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
             if name != "peft":
                 return None
-            sys.meta_path.remove(self)  # once: the real finders locate peft
-            spec = importlib.util.find_spec(name)
+            # The real finders locate peft (without this hook, or it would find itself). A probe that only
+            # looks (transformers' is_peft_available calls find_spec) leaves the hook in place for the import.
+            index = sys.meta_path.index(self)
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(index, self)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
             exec_module = spec.loader.exec_module
 
             def exec_then_register(module):  # type: ignore[no-untyped-def]
+                if self in sys.meta_path:  # once: peft is being imported for real
+                    sys.meta_path.remove(self)
                 exec_module(module)
                 register()
 

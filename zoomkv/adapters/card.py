@@ -1,14 +1,16 @@
-"""The adapter's ``README.md``: Hub metadata (YAML front matter) plus a human summary and the scores.
+"""The adapter's ``README.md``: Hub metadata (YAML front matter) plus a human summary, how to load it, and
+the scores.
 
 Metadata goes through ``huggingface_hub.ModelCardData`` so the front matter is exactly what the Hub
-parses: ``library_name: zoomkv``, ``base_model`` (only when it is a Hub id; a local path or a registered
-test model is not one and the Hub would reject it), tags, and a ``zoomkv`` block with the method, budget,
-trainable fraction and the summary scores for tools.
+parses: ``library_name: zoomkv``, ``license``, ``base_model`` (only when it is a Hub id; a local path or a
+registered test model is not one and the Hub would reject it), tags, the scores as ``model-index`` results
+(``zoomkv.adapters.scores``) and a ``zoomkv`` block with the method, budget and trainable fraction for tools.
+The same card is written by ``zoomkv export`` and by PEFT's ``save_pretrained`` / ``push_to_hub``
+(``peft_integration``), so both publish the same repository.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -16,106 +18,78 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from zoomkv.adapters.config import LIBRARY_NAME, ZoomAdapterConfig
-from zoomkv.adapters.errors import AdapterError
+from zoomkv.adapters.scores import eval_results, eval_table, is_eval_summary, load_scores, plain_table
+from zoomkv.models.registry import base_license, hub_name
+
+__all__ = ["CARD_HEADING", "base_model_hub_id", "load_scores", "render_card"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Registered zoomkv model names and the Hub repository their weights come from.
-KNOWN_BASE_MODELS = {
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "gemma3-270m": "google/gemma-3-270m",
-}
-_MAX_ROWS = 50  # a card is for reading; the full rows stay in the eval's JSON
+CARD_HEADING = "# zoomkv adapter: "  # how a card this module wrote begins its body (peft_integration looks for it)
 
 
 def base_model_hub_id(name: str | None) -> str | None:
     if not name:
         return None
-    name = KNOWN_BASE_MODELS.get(name, name)
+    name = hub_name(name)
     return name if _HUB_ID.match(name) and not Path(name).expanduser().exists() else None
 
 
-def load_scores(path: str | Path) -> dict[str, Any]:
-    """Read what ``zoomkv eval`` wrote: its ``summary.json`` (``{"run": ..., "summary": [...]}``), its
-    ``rows.json`` (a list of rows), a flat dict of metrics, or its whole ``--out`` folder (both files)."""
-    path = Path(path)
-    if path.is_dir():
-        parts = [normalise_scores(_read_json(path / n)) for n in ("summary.json", "rows.json") if (path / n).is_file()]
-        if not parts:
-            raise AdapterError(f"{path}: no summary.json or rows.json (the output folder of `zoomkv eval`)")
-        return {"summary": [r for p in parts for r in p["summary"]], "rows": [r for p in parts for r in p["rows"]]}
-    return normalise_scores(_read_json(path))
+def _usage(config: ZoomAdapterConfig, base_name: str | None) -> list[str]:
+    budget = config.budget if config.budget is not None else 256
+    own = "at the budget it records" if config.budget is not None else "(this adapter records no budget: pass one)"
+    return [
+        "## Use",
+        "",
+        "Set `ADAPTER` to this repository's id (or the folder it was downloaded to). With zoomkv's loader:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from zoomkv.adapters.model import cache_from_adapter",
+        "from zoomkv.compat import generate_cache_kwargs",
+        "",
+        'ADAPTER = "<this repo id or folder>"',
+        f'model = AutoModelForCausalLM.from_pretrained("{base_name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{base_name}")',
+        'inputs = tokenizer("<a long document, then a question>", return_tensors="pt")',
+        f"cache = cache_from_adapter(model, ADAPTER, budget={budget!r})  # checks the base model, runs the adapter",
+        "out = model.generate(**inputs, max_new_tokens=64, **generate_cache_kwargs(cache))",
+        "```",
+        "",
+        "With PEFT (`pip install zoomkv[peft]`; `tokenizer` and `inputs` as above): `generate()` builds the "
+        f"adapter's cache by itself, {own}, and so does the text-generation pipeline:",
+        "",
+        "```python",
+        "import zoomkv  # makes zoomkv a PEFT method",
+        "from peft import AutoPeftModelForCausalLM",
+        "from transformers import pipeline",
+        "",
+        "model = AutoPeftModelForCausalLM.from_pretrained(ADAPTER)  # loads the base model too",
+        "out = model.generate(**inputs, max_new_tokens=64)",
+        'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)',
+        "```",
+        "",
+    ]
 
 
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise AdapterError(f"scores file not found: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterError(f"{path}: not valid JSON ({err})") from err
-
-
-def _flatten(row: dict[str, Any]) -> dict[str, Any]:
-    # The eval's summary nests per-task scores ({"score": {"niah": 0.9}}): one column per task reads better.
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{sub}": x for sub, x in v.items()})
-        else:
-            out[k] = v
-    return out
-
-
-def normalise_scores(data: Any) -> dict[str, Any]:
-    """→ ``{"summary": [row, ...], "rows": [row, ...]}`` whatever shape the eval wrote."""
-    def as_rows(x: Any) -> list[dict[str, Any]]:
-        if x is None:
-            return []
-        if isinstance(x, list):
-            return [_flatten(r) if isinstance(r, dict) else {"value": r} for r in x]
-        if isinstance(x, dict):
-            if all(not isinstance(v, (dict, list)) for v in x.values()):
-                return [x]  # one flat row of metrics
-            return [_flatten({"name": k, **v}) if isinstance(v, dict) else {"name": k, "value": v}
-                    for k, v in x.items()]
-        return [{"value": x}]
-
-    if isinstance(data, dict) and ("summary" in data or "rows" in data):
-        return {"summary": as_rows(data.get("summary")), "rows": as_rows(data.get("rows"))}
-    if isinstance(data, list):
-        return {"summary": [], "rows": as_rows(data)}
-    return {"summary": as_rows(data), "rows": []}
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows[:_MAX_ROWS]:
-        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
-    if len(rows) > _MAX_ROWS:
-        lines.append(f"\n({len(rows) - _MAX_ROWS} more rows in the evaluation's JSON)")
-    return "\n".join(lines)
-
-
-def _scalar_summary(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # Only JSON scalars go into the YAML block: the Hub's metadata parser needs plain YAML.
-    return [{k: v for k, v in row.items() if isinstance(v, (str, int, float, bool)) or v is None} for row in summary]
-
-
-def render_card(config: ZoomAdapterConfig, scores: dict[str, Any] | None = None) -> str:
+def render_card(config: ZoomAdapterConfig, scores: dict[str, Any] | None = None, *,
+                license: str | None = None) -> str:
+    """The card for ``config``; ``scores`` as ``load_scores`` reads them; ``license`` a Hub licence id (default:
+    the registered base model's licence, the terms an adapter of it is shared under; else ``unknown``)."""
     base = config.base_model
     base_name = base.get("name")
     hub_id = base_model_hub_id(base_name)
-    extra: dict[str, Any] = {
-        "zoomkv": {
+    summary = (scores or {}).get("summary") or []
+    results = eval_results(summary, config.method, config.weights_sha256)
+    short = (base_name or "a base model").rsplit("/", 1)[-1]
+    data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        license=license or base_license(base_name) or "unknown",
+        base_model=hub_id,
+        pipeline_tag="text-generation",
+        tags=["zoomkv", "kv-cache", "long-context", "peft", config.method],
+        model_name=f"zoomkv {config.method} adapter for {short}" if results else None,
+        eval_results=results or None,
+        zoomkv={
             "method": config.method,
             "budget": config.budget,
             "trainable_fraction": config.trainable_fraction,
@@ -123,21 +97,13 @@ def render_card(config: ZoomAdapterConfig, scores: dict[str, Any] | None = None)
             "toolkit_version": config.toolkit_version,
             "base_model_name": base_name,
             "base_model_revision": base.get("revision"),
-        }
-    }
-    if scores and scores.get("summary"):
-        extra["zoomkv"]["scores"] = _scalar_summary(scores["summary"])
-    data = ModelCardData(
-        library_name=LIBRARY_NAME,
-        base_model=hub_id,
-        tags=["zoomkv", "kv-cache", "long-context", config.method],
-        **extra,
+        },
     )
     fraction = "unknown" if config.trainable_fraction is None else f"{config.trainable_fraction:.3e}"
     budget = "not recorded" if config.budget is None else f"{config.budget} (rows per KV head on the device tier)"
     fp = ", ".join(f"{k}={base[k]}" for k in sorted(base) if k not in ("name", "revision"))
     body = [
-        f"# zoomkv adapter: {config.method}",
+        f"{CARD_HEADING}{config.method}",
         "",
         f"A trained `{config.method}` adapter for the [zoomkv](https://pypi.org/project/zoomkv/) two-tier KV cache.",
         "",
@@ -150,23 +116,18 @@ def render_card(config: ZoomAdapterConfig, scores: dict[str, Any] | None = None)
         f"| format | version {config.format_version}, zoomkv {config.toolkit_version} |",
         f"| base fingerprint | {fp} |",
         "",
-        "## Use",
-        "",
-        "```python",
-        "from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter",
-        "adapter = ZoomAdapter.from_pretrained(\"<this repo or folder>\")",
-        "cache = cache_from_adapter(model, adapter, budget=" + repr(config.budget if config.budget is not None else 256) + ")",
-        "out = model.generate(**inputs, cache=cache)",
-        "```",
-        "",
+        *_usage(config, base_name),
         "## Scores",
         "",
     ]
-    if scores and (scores.get("summary") or scores.get("rows")):
-        if scores.get("summary"):
-            body += ["Measured by `zoomkv eval` (summary):", "", _table(scores["summary"]), ""]
-        if scores.get("rows"):
-            body += ["Per task:", "", _table(scores["rows"]), ""]
+    if summary and is_eval_summary(summary):
+        body += ["Measured by `zoomkv eval`: scores 0–100 per task with their 95% interval (Wilson) and samples; "
+                 "bytes per sequence as a share of full KV; decode time against `full` on the same prompts.", "",
+                 eval_table(summary), ""]
+    elif summary:
+        body += [plain_table(summary), ""]
+    elif scores and scores.get("rows"):
+        body += ["Per row:", "", plain_table(scores["rows"]), ""]
     else:
         body += ["Not measured yet (export with `--scores` to include the output of `zoomkv eval`).", ""]
     # Assembled by hand rather than with ModelCard.from_template: that renders through Jinja, and score

@@ -16,6 +16,7 @@ from typing import Any
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError, AdapterVersionError
 from zoomkv.budget import Budget
 from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.models.registry import hub_name
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape
 
 CONFIG_NAME = "adapter_config.json"
@@ -25,6 +26,10 @@ FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 LIBRARY_NAME = "zoomkv"
 PEFT_TYPE = "ZOOMKV"  # the PeftType member zoomkv.adapters.peft_integration registers
+# A zoomkv adapter runs inside a causal LM's generate(): PEFT's AutoPeftModelForCausalLM and pipeline("text-
+# generation") need this task type to pick PeftModelForCausalLM (without it: a plain PeftModel, or "Cannot infer
+# the auto class").
+PEFT_TASK_TYPE = "CAUSAL_LM"
 PEFT_WEIGHTS_PREFIX = "base_model.zoomkv_modules."  # how PEFT's save_pretrained names the module tensors
 
 # Keys PEFT writes into adapter_config.json (PeftConfig's own fields). A folder saved through PEFT's
@@ -42,6 +47,16 @@ def _toolkit_version() -> str:
     return __version__
 
 
+def _peft_version() -> str | None:
+    """The installed PEFT's version, as PEFT records it in the configs it writes (None without PEFT)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("peft")
+    except PackageNotFoundError:
+        return None
+
+
 @dataclass
 class ZoomAdapterConfig:
     method: str
@@ -55,6 +70,13 @@ class ZoomAdapterConfig:
     toolkit_version: str = field(default_factory=_toolkit_version)
     library_name: str = LIBRARY_NAME
 
+    def __post_init__(self) -> None:
+        # One name for the base model, the Hub id its weights come from, in the config and the card alike;
+        # adapters written before held the registered name (smollm2-135m) and load as the same model.
+        name = self.base_model.get("name") if isinstance(self.base_model, dict) else None
+        if isinstance(name, str) and hub_name(name) != name:
+            self.base_model = {**self.base_model, "name": hub_name(name)}
+
     def model_shape(self) -> ModelShape:
         try:
             return ModelShape.from_dict(self.shape)
@@ -65,8 +87,12 @@ class ZoomAdapterConfig:
         return asdict(self)
 
     def to_json(self) -> str:
-        # PEFT's keys too, so `PeftModel.from_pretrained` reads a zoomkv export as it is (peft_integration).
-        peft = {"peft_type": PEFT_TYPE, "base_model_name_or_path": self.base_model.get("name")}
+        # PEFT's keys too, so `PeftModel.from_pretrained` and `AutoPeftModelForCausalLM.from_pretrained` read a
+        # zoomkv export as it is (peft_integration); inference_mode as PEFT's save_pretrained writes it.
+        peft: dict[str, Any] = {"peft_type": PEFT_TYPE, "task_type": PEFT_TASK_TYPE, "inference_mode": True,
+                                "base_model_name_or_path": self.base_model.get("name")}
+        if _peft_version() is not None:
+            peft["peft_version"] = _peft_version()
         return json.dumps({**self.to_dict(), **peft}, sort_keys=True, indent=2) + "\n"
 
     @classmethod

@@ -93,7 +93,8 @@ def resolve_adapter(name_or_path: str | Path, *, revision: str | None = None, to
 
 
 def push_folder(folder: str | Path, repo_id: str, *, private: bool | None = None, token: str | None = None,
-                revision: str | None = None, commit_message: str | None = None, endpoint: str | None = None) -> str:
+                revision: str | None = None, commit_message: str | None = None, endpoint: str | None = None,
+                create_pr: bool = False) -> str:
     """Upload an adapter folder (checked to load first) to ``repo_id``; returns the commit URL."""
     folder = check_local_folder(Path(folder))
     if hub_offline():
@@ -107,7 +108,7 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool | None = None
         info = api.upload_folder(
             folder_path=str(folder), repo_id=repo_id, revision=revision, repo_type="model",
             allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, CARD_NAME],
-            commit_message=commit_message or "Upload zoomkv adapter",
+            commit_message=commit_message or "Upload zoomkv adapter", create_pr=create_pr,
         )
     except (HfHubHTTPError, ValueError, OSError) as err:  # ValueError: the Hub rejected the card's metadata
         raise AdapterError(f"push to {repo_id!r} failed: {err}") from err

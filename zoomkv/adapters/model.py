@@ -43,6 +43,7 @@ from zoomkv.adapters.weights import (
 )
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.cache import ZoomCache, attach
+from zoomkv.models.registry import same_base_name
 from zoomkv.protocol.registry import METHODS, get_method, get_training
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, base_fingerprint
 
@@ -194,19 +195,20 @@ class ZoomAdapter:
             adapter.check_base(model)
         return adapter
 
-    def serialise(self, scores: dict[str, Any] | None = None) -> dict[str, bytes]:
+    def serialise(self, scores: dict[str, Any] | None = None, *, license: str | None = None) -> dict[str, bytes]:
         """The folder's files, in write order (the config records the weights' checksum)."""
         weights = tensors_to_bytes(module_tensors(self.modules))
         self.config = dataclasses.replace(self.config, weights_sha256=sha256(weights))
         return {
             WEIGHTS_NAME: weights,
-            CARD_NAME: render_card(self.config, scores).encode("utf-8"),
+            CARD_NAME: render_card(self.config, scores, license=license).encode("utf-8"),
             CONFIG_NAME: self.config.to_json().encode("utf-8"),
         }
 
     def save_pretrained(self, out: str | Path, *, scores: dict[str, Any] | None = None,
-                        overwrite: bool = False) -> Path:
-        return write_folder_atomically(out, self.serialise(scores), overwrite=overwrite)
+                        overwrite: bool = False, license: str | None = None) -> Path:
+        """Write the adapter folder; ``scores`` (``load_scores``) and ``license`` (a Hub licence id) go on its card."""
+        return write_folder_atomically(out, self.serialise(scores, license=license), overwrite=overwrite)
 
     def push_to_hub(self, repo_id: str, *, scores: dict[str, Any] | None = None, private: bool | None = None,
                     token: str | None = None, revision: str | None = None, commit_message: str | None = None,
@@ -222,11 +224,12 @@ class ZoomAdapter:
         expected = self.config.base_model
         actual = base_fingerprint(model, revision=expected.get("revision") and _model_revision(model))
         diff = fingerprint_diff(expected, actual)
-        if strict_name and expected.get("name") != actual.get("name"):
+        same_name = same_base_name(expected.get("name"), actual.get("name"))  # smollm2-135m is its Hub id
+        if strict_name and not same_name:
             diff.append("name")
         if diff:
             raise BaseModelMismatchError(expected, actual, diff)
-        if expected.get("name") and actual.get("name") and expected["name"] != actual["name"]:
+        if expected.get("name") and actual.get("name") and not same_name:
             warnings.warn(f"adapter trained on {expected['name']!r}, loaded onto {actual['name']!r} "
                           "(same architecture and sizes)", stacklevel=2)
 

@@ -39,6 +39,12 @@ What PEFT 0.21 really offers and where it does not fit (see ``register`` and ``Z
   first); ``ZoomKVPeftConfig.from_pretrained``, which every PEFT load path calls, reads the weights and
   verifies them (a missing checksum is refused), and the tuner accepts only exactly those tensors.
 
+* The card: PEFT's ``save_pretrained`` makes a generic card from a template, and transformers'
+  ``push_to_hub`` writes another over it between saving and uploading. ``ZoomKVPeftConfig.save_pretrained``
+  replaces PEFT's template card with zoomkv's (a user's own card is left alone), and ``register`` wraps
+  ``PeftModel.push_to_hub`` so that a model whose active adapter is a zoomkv adapter uploads what
+  ``save_pretrained`` wrote, as ``zoomkv push`` does; any other PEFT model pushes through PEFT unchanged.
+
 One folder format serves both: ``zoomkv export`` writes ``peft_type: ZOOMKV`` into
 ``adapter_config.json`` (PEFT reads it), and ``ZoomAdapter`` accepts PEFT's extra config keys and its
 ``base_model.zoomkv_modules.`` weight-key prefix.
@@ -49,6 +55,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,10 +68,13 @@ from peft import PeftConfig, PeftModel
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import PeftType
 
+from zoomkv.adapters.card import CARD_HEADING, render_card
 from zoomkv.adapters.config import (
+    CARD_NAME,
     CONFIG_NAME,
     FORMAT_VERSION,
     LIBRARY_NAME,
+    PEFT_TASK_TYPE,
     PEFT_TYPE,
     PEFT_WEIGHTS_PREFIX,
     WEIGHTS_NAME,
@@ -79,6 +91,7 @@ from zoomkv.adapters.errors import (
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
 from zoomkv.adapters.weights import read_weights, sha256
 from zoomkv.compat import cache_kwarg, generate_cache_kwargs
+from zoomkv.models.registry import hub_name
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 
 PEFT_NAME = "zoomkv"
@@ -86,6 +99,8 @@ PEFT_TYPE_VALUE = PEFT_TYPE
 PREFIX = "zoomkv_"
 CONTAINER = "zoomkv_modules"
 CHECKPOINT_PREFIX = PEFT_WEIGHTS_PREFIX
+# The heading of the card PEFT makes from huggingface_hub's empty template when a folder has none.
+_PEFT_TEMPLATE_HEADING = "# Model Card for Model ID"
 assert CHECKPOINT_PREFIX == f"base_model.{CONTAINER}."
 
 
@@ -123,6 +138,14 @@ class ZoomKVPeftConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = PeftType[PEFT_TYPE_VALUE]
+        # A zoomkv adapter is always a causal LM's: configs written before the task type was recorded load as
+        # PeftModelForCausalLM too (AutoPeftModelForCausalLM, pipeline("text-generation")).
+        self.task_type = self.task_type or PEFT_TASK_TYPE
+        # An adapter written before the Hub id was the one name holds the registered name (smollm2-135m):
+        # AutoPeftModelForCausalLM loads base_model_name_or_path, so it gets the Hub id the weights come from.
+        self.base_model_name_or_path = hub_name(self.base_model_name_or_path)
+        if isinstance(self.base_model.get("name"), str):
+            self.base_model = {**self.base_model, "name": hub_name(self.base_model["name"])}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, method: str, hyper: dict[str, Any] | None = None, *,
@@ -130,13 +153,17 @@ class ZoomKVPeftConfig(PeftConfig):
         """The config of a fresh adapter for ``model`` (what ``get_peft_model`` needs)."""
         shape = ModelShape.from_model(model)
         fingerprint = base_fingerprint(model, name=name)
-        return cls.from_zoom_config(ZoomAdapterConfig(method=method, hyper=dict(hyper or {}), base_model=fingerprint,
-                                                      shape=shape.to_dict(), budget=budget))
+        config = cls.from_zoom_config(ZoomAdapterConfig(method=method, hyper=dict(hyper or {}), base_model=fingerprint,
+                                                        shape=shape.to_dict(), budget=budget))
+        # get_peft_model sets its own (the model's name_or_path, a conversion folder for a GGUF model) and warns
+        # when it replaces one; save_pretrained writes the base model's name in its place.
+        config.base_model_name_or_path = None
+        return config
 
     @classmethod
     def from_zoom_config(cls, config: ZoomAdapterConfig) -> ZoomKVPeftConfig:
         data = config.to_dict()
-        return cls(base_model_name_or_path=config.base_model.get("name"), **data)
+        return cls(base_model_name_or_path=config.base_model.get("name"), task_type=PEFT_TASK_TYPE, **data)
 
     def to_zoom_config(self) -> ZoomAdapterConfig:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(ZoomAdapterConfig)}
@@ -149,7 +176,26 @@ class ZoomKVPeftConfig(PeftConfig):
         weights = Path(save_directory) / WEIGHTS_NAME
         if weights.is_file():
             self.weights_sha256 = sha256(weights.read_bytes())
+        # The one name of the base model, as `zoomkv export` writes it (the Hub id of a registered model), not
+        # the folder PEFT found in the model's name_or_path.
+        self.base_model_name_or_path = hub_name(self.base_model.get("name")) or self.base_model_name_or_path
         super().save_pretrained(save_directory, **kwargs)
+        self._write_card(Path(save_directory))
+
+    def _write_card(self, folder: Path) -> None:
+        """zoomkv's model card, as `zoomkv export` writes it, in place of the generic one PEFT's save_pretrained
+        has just made from its empty template (``library_name: peft``, "Model Card for Model ID"), so
+        ``PeftModel.push_to_hub`` and ``zoomkv push`` publish the same repository. A card of the user's (PEFT
+        only adds its tags to one) is left as it is."""
+        card = folder / CARD_NAME
+        if card.is_file():
+            text = card.read_text(encoding="utf-8", errors="replace")
+            if _PEFT_TEMPLATE_HEADING not in text and CARD_HEADING not in text:
+                return
+        config = dataclasses.replace(self.to_zoom_config(), weights_sha256=self.weights_sha256)
+        staging = card.with_name(f".{CARD_NAME}.{os.getpid()}.tmp")
+        staging.write_text(render_card(config), encoding="utf-8")
+        os.replace(staging, card)  # never half a card
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None,
@@ -324,9 +370,38 @@ def register() -> None:
     from peft.utils import register_peft_method
 
     peft_type = _extend_peft_type()
+    if not getattr(PeftModel.push_to_hub, "_zoomkv", False):
+        PeftModel.push_to_hub = _push_to_hub_wrapper(PeftModel.push_to_hub)
     if PEFT_TYPE_TO_TUNER_MAPPING.get(peft_type) is ZoomKVTuner:
         return
     register_peft_method(name=PEFT_NAME, config_cls=ZoomKVPeftConfig, model_cls=ZoomKVTuner, prefix=PREFIX)
+
+
+def _push_to_hub_wrapper(original: Any) -> Any:
+    """``PeftModel.push_to_hub`` (transformers' ``PushToHubMixin``) writes its own card over the one
+    ``save_pretrained`` wrote (``library_name: transformers`` from a template) after saving and before uploading,
+    with no hook in between. For a PEFT model whose active adapter is a zoomkv adapter, push what
+    ``save_pretrained`` writes, zoomkv's card included, as ``zoomkv push`` does: the same repository either way.
+    Every other PEFT model goes through PEFT's own ``push_to_hub`` unchanged."""
+
+    @functools.wraps(original)
+    def push_to_hub(self: PeftModel, repo_id: str, *args: Any, commit_message: str | None = None,
+                    private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
+                    create_pr: bool = False, **kwargs: Any) -> Any:
+        name = self.active_adapter if isinstance(self.active_adapter, str) else None
+        if args or name is None or not isinstance(self.peft_config.get(name), ZoomKVPeftConfig):
+            return original(self, repo_id, *args, commit_message=commit_message, private=private, token=token,
+                            revision=revision, create_pr=create_pr, **kwargs)
+        from zoomkv.adapters.hub import push_folder
+
+        with tempfile.TemporaryDirectory(prefix="zoomkv-peft-push-") as tmp:
+            self.save_pretrained(tmp, selected_adapters=[name])
+            folder = Path(tmp) if name == "default" else Path(tmp) / name  # where PEFT saves that adapter
+            return push_folder(folder, repo_id, private=private, token=token if isinstance(token, str) else None,
+                               revision=revision, commit_message=commit_message, create_pr=create_pr)
+
+    push_to_hub._zoomkv = True  # type: ignore[attr-defined]
+    return push_to_hub
 
 
 def adapter_from_peft(peft_model: PeftModel, adapter_name: str | None = None) -> ZoomAdapter:

