@@ -238,3 +238,20 @@ def test_base_model_recorded_as_its_hub_id_and_old_names_still_load(tmp_path, re
     peft_model = PeftModel.from_pretrained(load_model("tiny-llama")[0], str(old))
     assert isinstance(peft_model, PeftModelForCausalLM)
     assert peft_run(peft_model, tok) == run(model, tok, adapter)
+
+
+def test_import_zoomkv_registers_with_peft_after_a_probe():
+    """transformers asks importlib whether peft is installed (find_spec) before anything imports it: that probe
+    must not use up the hook that registers zoomkv with PEFT when peft is imported for real."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys, zoomkv\n"
+            "assert 'peft' not in sys.modules\n"
+            "assert importlib.util.find_spec('peft') is not None\n"
+            "import peft\n"
+            "from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING\n"
+            "print('ZOOMKV' in PEFT_TYPE_TO_CONFIG_MAPPING)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("True")
