@@ -99,24 +99,37 @@ def _save_shares(plt: Any, fig: Any, axes: Any, titles: tuple[str, str], xlabel:
     return path
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+def plot(rows: list[dict[str, Any]], out: Path, methods: list[str] | None = None) -> list[Path]:
     """``diagnostics_layers.png`` (mass and overlap per layer, a line per method and budget),
     ``diagnostics_steps.png`` (mass per answer token) and ``diagnostics_heads.png`` (layer × KV head mass,
-    one panel per method and budget)."""
+    one panel per method and budget). A method has the colour and marker it has in the run's other plots;
+    its budgets differ by line style."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from zoomkv.eval.styles import LINESTYLES, method_styles
+
     groups = _groups(rows)
     if not groups:
         return []
+    styles = method_styles(rows, methods)
+    budgets_of: dict[str, list[str]] = defaultdict(list)
+    for label, budget in groups:
+        budgets_of[label].append(budget)
+
+    def look(label: str, budget: str) -> dict[str, Any]:
+        which = budgets_of[label].index(budget) % len(LINESTYLES)
+        return {**styles.get(label, {}), "markersize": 5, "linestyle": LINESTYLES[which]}
+
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     for (label, budget), diags in groups.items():
         for ax, key in zip(axes, ("mass", "overlap"), strict=True):
             layers, table = per_layer(diags, key)
-            ax.plot(layers, [statistics.fmean(t) for t in table], marker=".", label=f"{label} @ {budget or '–'}")
+            ax.plot(layers, [statistics.fmean(t) for t in table], label=f"{label} @ {budget or '–'}",
+                    **look(label, budget))
     paths.append(_save_shares(plt, fig, axes, ("share of full attention mass kept, per layer",
                                                 "overlap with exact top-B rows, per layer"),
                               "layer", axes[1], out / "diagnostics_layers.png"))
@@ -124,10 +137,11 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     for (label, budget), diags in groups.items():
         steps = by_step(diags)
-        axes[0].plot(range(1, len(steps) + 1), steps, marker=".", label=f"{label} @ {budget or '–'}")
+        axes[0].plot(range(1, len(steps) + 1), steps, label=f"{label} @ {budget or '–'}", **look(label, budget))
         needle = needle_by_step(diags)
         if needle:
-            axes[1].plot(range(1, len(needle) + 1), needle, marker=".", label=f"{label} @ {budget or '–'}")
+            axes[1].plot(range(1, len(needle) + 1), needle, label=f"{label} @ {budget or '–'}",
+                         **look(label, budget))
     paths.append(_save_shares(plt, fig, axes, ("mass kept per answer token (mean over layers and heads)",
                                                 "needle's attention mass kept per answer token"),
                               "answer token", axes[0], out / "diagnostics_steps.png"))

@@ -15,19 +15,12 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from zoomkv.eval.rows import GRID_TASK  # noqa: E402
+from zoomkv.eval.styles import method_styles  # noqa: E402
 from zoomkv.eval.summary import budget_order, config_label, task_order  # noqa: E402
 
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "x"
-
-
-_MARKERS = "osD^v<>pXh*P"
-
-
-def _style(i: int) -> dict[str, Any]:
-    """Line ``i``'s colour and marker: 20 colours and 11 markers, so the 15+ methods of a table stay apart."""
-    return {"color": plt.get_cmap("tab20")(i % 20), "marker": _MARKERS[i % len(_MARKERS)]}
 
 
 def _legend(ax: Any, n: int) -> None:
@@ -45,19 +38,23 @@ def _mean_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
     return {k: statistics.fmean(v) for k, v in acc.items()}
 
 
-def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> Path:
-    """Budgets on an evenly spaced categorical axis (they mix row counts and fractions); full as a line."""
+def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None,
+                    styles: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Budgets on an evenly spaced categorical axis (they mix row counts and fractions); methods without a
+    budget (full, the reference) as horizontal lines."""
+    styles = styles or method_styles(rows)
     subset = [r for r in rows if task is None or r["task"] == task]
     means = _mean_scores(subset)
     budgets = sorted({b for (_, b) in means if b}, key=budget_order)
-    labels = list(dict.fromkeys(lbl for (lbl, b) in means if b))
+    labels = [lbl for lbl in styles if any((lbl, b) in means for b in budgets)]
     fig, ax = plt.subplots(figsize=(6.4 if len(labels) <= 8 else 9.0, 4.2))
-    for i, label in enumerate(labels):
+    for label in labels:
         xs = [j for j, b in enumerate(budgets) if (label, b) in means]
-        ax.plot(xs, [means[(label, budgets[j])] for j in xs], label=label, **_style(i))
-    for (label, b), value in means.items():
-        if not b:
-            ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{label} (reference)")
+        ax.plot(xs, [means[(label, budgets[j])] for j in xs], label=label, **styles[label])
+    for label in styles:
+        if (label, "") in means:
+            ax.axhline(means[(label, "")], color=styles[label]["color"], linestyle="--", linewidth=1,
+                       label=f"{label} (reference)" if label == "full" else label)
     ax.set_xticks(range(len(budgets)), budgets)
     ax.set_xlabel("budget (device rows per layer per KV head, or share of the prompt)")
     ax.set_ylabel("score (0–100)")
@@ -71,8 +68,9 @@ def score_vs_budget(rows: list[dict[str, Any]], out: Path, task: str | None) -> 
     return path
 
 
-def pareto(rows: list[dict[str, Any]], out: Path) -> Path:
+def pareto(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[str, Any]] | None = None) -> Path:
     """Mean score over all rows against mean device-tier MiB per sequence; one line per method."""
+    styles = styles or method_styles(rows)
     points: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -81,12 +79,13 @@ def pareto(rows: list[dict[str, Any]], out: Path) -> Path:
         mib = statistics.fmean(r["device_bytes"] for r in rs) / 2**20
         points[label].append((mib, statistics.fmean(r["score"] for r in rs), budget))
     fig, ax = plt.subplots(figsize=(6.4 if len(points) <= 8 else 9.0, 4.2))
-    for i, (label, pts) in enumerate(points.items()):
-        pts.sort()
-        is_ref = all(not b for *_, b in pts)
-        style = {"color": "black", "marker": "*"} if is_ref else _style(i)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], markersize=12 if is_ref else 6,
-                linestyle="" if is_ref else "-", label=label, **style)
+    for label in [lbl for lbl in styles if lbl in points]:
+        pts = sorted(points[label])
+        style = dict(styles[label])
+        if label == "full":
+            style.update(markersize=12, markerfacecolor="black")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="" if len(pts) == 1 else "-", label=label,
+                **style)
         for x, y, b in pts:
             if b:
                 ax.annotate(b, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -144,14 +143,16 @@ def niah_heatmaps(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
-def write_plots(rows: list[dict[str, Any]], out: str | Path) -> list[Path]:
+def write_plots(rows: list[dict[str, Any]], out: str | Path, methods: list[str] | None = None) -> list[Path]:
+    """Every plot of a run, each method in the same colour and marker in all of them."""
     out = Path(out)
     if not rows:
         return []
+    styles = method_styles(rows, methods)
     tasks = task_order(rows)
-    paths = [score_vs_budget(rows, out, t) for t in tasks]
+    paths = [score_vs_budget(rows, out, t, styles) for t in tasks]
     if len(tasks) > 1:
-        paths.append(score_vs_budget(rows, out, None))
-    paths.append(pareto(rows, out))
+        paths.append(score_vs_budget(rows, out, None, styles))
+    paths.append(pareto(rows, out, styles))
     paths += niah_heatmaps(rows, out)
     return paths

@@ -24,6 +24,6 @@ def write_outputs(rows: list[dict[str, Any]], out: str | Path, header: dict[str,
     if plots and rows:
         from zoomkv.eval.plots import write_plots  # matplotlib only when drawing
 
-        paths += write_plots(rows, out)
-        paths += diagnostics.plot(rows, out)
+        paths += write_plots(rows, out, methods)
+        paths += diagnostics.plot(rows, out, methods)
     return paths
