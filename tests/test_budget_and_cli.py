@@ -140,3 +140,19 @@ def test_a_hyper_parameter_of_the_wrong_type_is_refused_by_name(capsys):
                  "--method-arg", "page_size=abc", "--prompt", "hello"])
     err = capsys.readouterr().err
     assert code == 2 and "page_size" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_command_help_has_its_whole_description(capsys):
+    """`zoomkv CMD --help` shows the first paragraph of the command's docstring whole, never cut at the end of
+    its first line mid-sentence (`zoomkv chat --help` did)."""
+    import importlib
+
+    from zoomkv.cli import COMMANDS, main
+
+    for name, module_name, _ in COMMANDS:
+        first = importlib.import_module(module_name).__doc__.strip("\n").split("\n\n")[0]
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        shown = " ".join(capsys.readouterr().out.split())
+        assert " ".join(first.split()) in shown, name
+        assert first.rstrip().endswith((".", ":", ")")), f"{name}: its description stops mid-sentence"

@@ -51,9 +51,10 @@ def _command(name: str) -> tuple[ModuleType, str]:
 
 
 def _help_parts(module: ModuleType, fallback: str) -> dict[str, str]:
-    """A command's description (its module docstring's first line) and epilog (the rest: examples)."""
+    """A command's description (its module docstring's first paragraph, whole: a sentence may run over several
+    lines) and epilog (the rest: examples)."""
     doc = (module.__doc__ or fallback).strip("\n")
-    first, _, rest = doc.partition("\n")
+    first, _, rest = doc.partition("\n\n")
     return {"description": first, "epilog": rest.strip("\n") or None}
 
 
