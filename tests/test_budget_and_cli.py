@@ -156,3 +156,26 @@ def test_every_command_help_has_its_whole_description(capsys):
         shown = " ".join(capsys.readouterr().out.split())
         assert " ".join(first.split()) in shown, name
         assert first.rstrip().endswith((".", ":", ")")), f"{name}: its description stops mid-sentence"
+
+
+def test_eval_help_documents_the_plain_format_and_the_default_haystack(tmp_path, capsys):
+    """`zoomkv eval --help` shows the plain JSONL record (and the record it shows loads as one), and says what
+    the eval README says about the haystack: kjv prose by default for the essay tasks, noise for the rest."""
+    import json
+    import re
+    from pathlib import Path
+
+    from zoomkv.cli import main
+    from zoomkv.data.files import load_data
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    record = re.search(r"^\s*(\{\"prompt\".*\})\s*$", text, re.M)
+    assert record, "no plain JSONL record in --help"
+    (tmp_path / "mine.jsonl").write_text(record.group(1) + "\n")
+    (task,) = load_data(str(tmp_path / "mine.jsonl"), "auto")
+    assert task.size == 1 and json.loads(record.group(1))["answers"] == ["71934"]
+    assert "kjv" in text and "by default" in text and "noise" in text
+    readme = (Path(__file__).parent.parent / "zoomkv" / "eval" / "README.md").read_text()
+    assert "fall back to the noise haystack" not in readme and "`kjv`" in readme and "the default" in readme

@@ -6,6 +6,17 @@
     zoomkv eval --model smollm2-135m --adapter checkpoints/sekv-smollm2 --methods quest --budgets 256 --out runs/adapter
     zoomkv eval --model smollm2-135m --methods snapkv --budgets 128 --tasks niah_single_2 --protocol query-aware --out runs/qa
     zoomkv eval --list-tasks
+
+Your own data, --data FILE.jsonl: one JSON object per line, the plain format at its simplest
+
+    {"prompt": "What is the pass key?", "answers": ["71934"], "context": "<the long document>"}
+
+with optional "answer_prefix", "metric" (default qa_f1; string_match_all, string_match_part, exact_number,
+choice, ...), "task", "max_new_tokens", "all_classes", "chat". LongBench, LongBench-v2, InfiniteBench, RULER
+export and GSM8K records are told by their fields (or --data-format); zoomkv/eval/README.md has each format.
+
+Haystacks: the tasks marked [uses --haystack] in --list-tasks hide their needles in --haystack prose (kjv, the
+shipped King James Bible, by default); the others in RULER's noise sentences. Each row records its haystack.
 """
 
 from __future__ import annotations
