@@ -61,6 +61,11 @@ class ProbeTraining(MethodTraining):
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:
         return ProbeModules(shape.num_layers, shape.num_kv_heads, shape.head_dim, float(hyper.get("scale", 1.0)))
 
+    def with_modules(self, config: ProbeConfig, modules: torch.nn.Module | None) -> ProbeMethod:
+        method = ProbeMethod(config)
+        method.adapter = modules
+        return method
+
 
 @dataclass
 class ProbeConfig(OracleTopKConfig):
@@ -71,10 +76,7 @@ class ProbeMethod(OracleTopK):
     name = PROBE
     config_class = ProbeConfig
     summary = "test-only: oracle top-k with a learned query shift"
-    adapter: torch.nn.Module | None = None
-
-    def attach_adapter(self, modules: torch.nn.Module) -> None:
-        self.adapter = modules
+    adapter: torch.nn.Module | None = None  # set by ProbeTraining.with_modules
 
     def select(self, memory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()

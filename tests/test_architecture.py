@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"methods"},
     {"adapters"},
     {"train"},
-    {"generation", "conversation", "eval", "bench", "calibrate"},
+    {"generation", "conversation", "runspec", "eval", "bench", "calibrate"},
     {"commands", "cli", "cli_args", "demo", "__main__"},
 ]
 LAYER_OF = {part: i for i, layer in enumerate(LAYERS) for part in layer}

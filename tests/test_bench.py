@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from zoomkv.bench import run_bench
+from zoomkv.bench import run_bench as _run_bench
+from zoomkv.cli_args import runs_from_args
 from zoomkv.commands import bench as bench_command
 from zoomkv.errors import ZoomKVError
 
@@ -17,6 +18,11 @@ def _args(*argv: str) -> argparse.Namespace:
     bench_command.add_arguments(parser)
     return parser.parse_args(["--model", "tiny-llama", "--length", "96", "--new-tokens", "3", "--repeats", "1",
                               "--no-warmup", *argv])
+
+
+def run_bench(args: argparse.Namespace) -> list[dict]:
+    """What ``zoomkv bench`` does with its arguments: the runs parsed, then timed."""
+    return _run_bench(args, runs_from_args(args, default_budgets=bench_command.DEFAULT_BUDGETS))
 
 
 def test_a_batch_decodes_together_and_counts_every_sequence(capsys):

@@ -16,7 +16,8 @@ from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.tasks import TaskBuilder
-from zoomkv.generation import MethodRun, generate_methods
+from zoomkv.generation import generate_methods
+from zoomkv.memory import CacheSpec
 from zoomkv.models import load_model
 
 
@@ -51,7 +52,7 @@ def test_adapter_rows_match_the_adapter_run_directly(tmp_path, tiny, saved):
     model, tokenizer = tiny
     fmt = PromptFormat(tokenizer, False)
     sample = TaskBuilder(fmt, seed=0, model_max=10**6, essays=None, data=[]).build("niah_single_1", 600, 0)
-    direct = generate_methods(model, tokenizer, [fmt.sample_text(sample)], [MethodRun(adapter.make_method(), 64)],
+    direct = generate_methods(model, tokenizer, [fmt.sample_text(sample)], [CacheSpec.build(adapter.make_method(), 64)],
                               max_new_tokens=4, chat=False)[0]
     assert [r["prediction"] for r in mine if r["sample"] == 0] == [direct.texts[0]]
 
@@ -83,7 +84,7 @@ def test_wrong_base_model_and_missing_adapter_fail_before_any_row(tmp_path, tiny
 
 
 def test_a_training_runs_adapter_folder_is_named_after_the_run(tmp_path, saved):
-    from zoomkv.eval.harness import adapter_label
+    from zoomkv.runspec import adapter_label
 
     adapter, folder = saved
     run = adapter.save_pretrained(tmp_path / "my-run" / "adapter")

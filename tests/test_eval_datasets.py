@@ -34,7 +34,9 @@ from zoomkv.eval.metrics import (
     score,
 )
 from zoomkv.generation import GenerationResult
+from zoomkv.memory import CacheSpec
 from zoomkv.models import build_tiny_tokenizer
+from zoomkv.runspec import RunSpec
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +317,7 @@ def test_longbench_file_scored_through_the_harness(tmp_path, fmt, kind):
     source = _write(kind, tmp_path, "longbench", [record for record, _, _ in END_TO_END])
     tasks = {t.name: t for t in load_data(source)}
     cfg = harness.EvalConfig(model="tiny", out=tmp_path / "out")
-    run = harness.RunSpec("full", None, {}, "")
+    run = RunSpec("full", CacheSpec.build("full"))
     memory = SimpleNamespace(budget=None, device_bytes=1, host_bytes=0, full_kv_bytes=1)
     for record, reply, expected in END_TO_END:
         sample = tasks[record["dataset"]].build(fmt, 2000, 0, model_max=4096)

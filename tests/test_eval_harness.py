@@ -73,7 +73,7 @@ class _Counting:
         if kw.get("max_new_tokens") != 2:  # 2: the warm-up before the first batch
             if self.fail_at is not None and len(self.calls) + 1 == self.fail_at:
                 raise KeyboardInterrupt
-            self.calls.append((list(prompts), [f"{r.method}:{r.budget}" for r in runs]))
+            self.calls.append((list(prompts), [f"{r.label}:{r.budget}" for r in runs]))
         return self.real(model, tokenizer, prompts, runs, **kw)
 
 
@@ -180,7 +180,7 @@ def test_bad_input(capsys, tmp_path):
     bad.write_text('{"prompt": "p", "answers": ["a"]}\n{"prompt": oops}\n')
     err = _err(capsys, [*base, "--data", str(bad)])
     assert f"{bad}:2" in err and "bad JSON" in err
-    assert "method.key=value" in _err(capsys, [*base, "--method-args", "window=3"])
+    assert "none is named" in _err(capsys, [*base, "--method-args", "window=3"])
     assert "valid methods" in _err(capsys, [*base, "--methods", "nope", "--budgets", "64"])
     assert "needs a budget" in _err(capsys, [*base, "--methods", "snapkv"])
     assert "too short" in _err(capsys, [*base, "--tasks", "niah_multiquery", "--length", "300"])
@@ -188,13 +188,17 @@ def test_bad_input(capsys, tmp_path):
 
 
 def test_method_variants_parse_and_refuse():
-    from zoomkv.eval.harness import split_variants
+    from zoomkv.runspec import parse_runs, split_variants
 
-    assert split_variants("quest+tail+int8") == ("quest", {"tail_summary": True, "kv_quant": "int8",
-                                                           "kv_quant_tiers": "host"})
-    assert split_variants("full+int4") == ("full", {"kv_quant": "int4", "kv_quant_tiers": "all"})
+    assert split_variants("quest+tail+int8") == ("quest", ["tail", "int8"])
+    quest, full = parse_runs(["quest+tail+int8", "full+int4"], [], ["32"])
+    assert (quest.label, quest.cache.tail_summary, quest.cache.kv_quant.bits, quest.cache.kv_quant.tiers) == (
+        "quest+tail+int8", True, 8, "host")
+    assert (full.label, full.cache.kv_quant.bits, full.cache.kv_quant.tiers) == ("full+int4", 4, "all")
     with pytest.raises(ZoomKVError, match=r"valid: \+tail, \+int8, \+int4"):
         split_variants("quest+fp8")
+    with pytest.raises(ZoomKVError, match="one quantization"):
+        split_variants("quest+int8+int4")
 
 
 def test_every_method_runs_every_synthetic_task_at_128_and_512(tmp_path, tiny):

@@ -14,7 +14,8 @@ import weakref
 import pytest
 
 from zoomkv.eval.harness import EvalConfig, run_eval
-from zoomkv.generation import MethodRun, generate_methods, generate_text
+from zoomkv.generation import generate_methods, generate_text
+from zoomkv.memory import CacheSpec
 from zoomkv.memory.cache import ZoomCache
 
 PROMPT = "The grass is green. The sky is blue. The sun is warm. " * 12
@@ -47,9 +48,10 @@ def _alive(refs: list[weakref.ref]) -> list[str]:
     return [type(obj).__name__ for r in refs if (obj := r()) is not None]
 
 
-def _runs() -> list[MethodRun]:
-    return [MethodRun("full"), MethodRun("oracle_topk", 32), MethodRun("oracle_topk", 32, tail_summary=True),
-            MethodRun("quest", 32), MethodRun("snapkv", 48)]
+def _runs() -> list[CacheSpec]:
+    return [CacheSpec.build("full"), CacheSpec.build("oracle_topk", 32),
+            CacheSpec.build("oracle_topk", 32, tail_summary=True), CacheSpec.build("quest", 32),
+            CacheSpec.build("snapkv", 48)]
 
 
 @pytest.mark.parametrize("agnostic", [True, False], ids=["query-agnostic", "query-aware"])
@@ -81,7 +83,8 @@ def test_kept_caches_live_until_released(tiny, made):
 def test_generate_text_frees_its_cache(tiny, made):
     model, tokenizer = tiny
     for method, budget in [("full", None), ("quest", 32)]:
-        result = generate_text(model, tokenizer, PROMPT, method=method, budget=budget, max_new_tokens=2, chat=False)
+        result = generate_text(model, tokenizer, PROMPT, CacheSpec.build(method, budget), max_new_tokens=2,
+                               chat=False)
         assert result.memory.full_kv_bytes > 0
         assert _alive(made) == []
 

@@ -3,6 +3,7 @@ exists, then the question extends the compressed cache) and query-aware (the who
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from zoomkv.data.sample import PromptFormat
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.harness import EvalConfig, run_eval
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder
-from zoomkv.generation import MethodRun, generate_methods
+from zoomkv.generation import generate_methods
+from zoomkv.memory import CacheSpec
 
 
 @pytest.mark.parametrize("task", [*SYNTHETIC_TASKS, GRID_TASK])
@@ -36,21 +38,22 @@ def test_query_agnostic_with_everything_kept_equals_the_whole_prompt():
     texts = ["The grass is green. " * 20 + "Question: what is green? Answer:",
              "The sky is blue, the sun is bright. " * 9 + "Question: what is blue? Answer:"]
     contexts = [t[: t.index("Question:")] for t in texts]
-    runs = [MethodRun("full"), MethodRun("oracle_topk", 4096), MethodRun("snapkv", 4096), MethodRun("sekv", 4096)]
+    runs = [CacheSpec.build("full"), CacheSpec.build("oracle_topk", 4096), CacheSpec.build("snapkv", 4096),
+            CacheSpec.build("sekv", 4096)]
     aware = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False)
     agnostic = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False,
                                 contexts=contexts)
     for a, b in zip(agnostic, aware, strict=True):
         assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
-    chunked = generate_methods(model, tok, texts, runs, max_new_tokens=6, chat=False, stop_at_eos=False,
-                               contexts=contexts, prefill_chunk=64)
+    chunked = generate_methods(model, tok, texts, [dataclasses.replace(r, prefill_chunk=64) for r in runs],
+                               max_new_tokens=6, chat=False, stop_at_eos=False, contexts=contexts)
     assert [r.token_ids for r in chunked] == [r.token_ids for r in aware]
 
 
 def test_a_context_must_start_its_prompt():
     model, tok = load_tiny("tiny-llama")
     with pytest.raises(ZoomKVError, match="start of its prompt"):
-        generate_methods(model, tok, ["abc question"], [MethodRun("full")], contexts=["xyz"], chat=False)
+        generate_methods(model, tok, ["abc question"], [CacheSpec.build()], contexts=["xyz"], chat=False)
 
 
 def test_rows_and_summary_record_the_protocol_and_resume_refuses_another(tmp_path):

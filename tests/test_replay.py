@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from zoomkv.generation import MethodRun, generate_methods, generate_text
+from zoomkv.generation import generate_methods, generate_text
+from zoomkv.memory import CacheSpec
 from zoomkv.methods import METHODS
 from zoomkv.models import load_model
 
-RUNS = [MethodRun("full")] + [
-    MethodRun(name, max(40, cls().min_budget())) for name, cls in sorted(METHODS.items())
+RUNS = [CacheSpec.build("full")] + [
+    CacheSpec.build(name, max(40, cls().min_budget())) for name, cls in sorted(METHODS.items())
     if cls.uses_budget and not getattr(cls, "needs_profile", False)
 ]
 
@@ -20,7 +21,6 @@ def test_replay_equals_running_each_method(family):
     prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs."]
     replayed = generate_methods(model, tok, prompts, RUNS, max_new_tokens=12, chat=False, stop_at_eos=False)
     for run, got in zip(RUNS, replayed, strict=True):
-        alone = generate_text(model, tok, prompts, method=run.method, budget=run.budget, max_new_tokens=12,
-                              chat=False, stop_at_eos=False)
-        assert got.token_ids == alone.token_ids, run.method
-        assert got.memory.device_bytes == alone.memory.device_bytes, run.method
+        alone = generate_text(model, tok, prompts, run, max_new_tokens=12, chat=False, stop_at_eos=False)
+        assert got.token_ids == alone.token_ids, run.label
+        assert got.memory.device_bytes == alone.memory.device_bytes, run.label

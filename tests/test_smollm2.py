@@ -11,6 +11,7 @@ from zoomkv import ZoomCache
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.data.passkey import passkey_prompt
 from zoomkv.generation import generate_text
+from zoomkv.memory import CacheSpec
 from zoomkv.models import find_package_dir
 
 pytestmark = [
@@ -61,9 +62,9 @@ def test_matches_plain_generate_on_padded_batch(smollm2, method, budget):
 def test_oracle_topk_at_ten_percent_finds_the_passkey(smollm2):
     model, tok = smollm2
     prompt = passkey_prompt(tok, 2048, depth=0.5, seed=3)
-    full = generate_text(model, tok, prompt.text, method="full", max_new_tokens=8, chat=False)
+    full = generate_text(model, tok, prompt.text, CacheSpec.build("full"), max_new_tokens=8, chat=False)
     assert prompt.answer in full.text  # the model itself can do it
-    out = generate_text(model, tok, prompt.text, method="oracle_topk", budget="0.1", max_new_tokens=8, chat=False)
+    out = generate_text(model, tok, prompt.text, CacheSpec.build("oracle_topk", "0.1"), max_new_tokens=8, chat=False)
     assert 1900 < out.prompt_tokens < 2200
     assert out.memory.budget == -(-out.prompt_tokens // 10)
     assert prompt.answer in out.text, out.text
@@ -122,7 +123,7 @@ def test_a_conversation_over_a_compressed_document_answers_every_turn(smollm2):
 
     model, tok = smollm2
     prompt = passkey_prompt(tok, 1536, depth=0.6, seed=4)
-    chat = Conversation(model, tok, prompt.text[: -len(QUESTION)], method="oracle_topk", budget=128, chat=False,
+    chat = Conversation(model, tok, prompt.text[: -len(QUESTION)], CacheSpec.build("oracle_topk", 128), chat=False,
                         max_new_tokens=12)
     first = chat.ask("What is the pass key?")
     second = chat.ask("Repeat the pass key.")

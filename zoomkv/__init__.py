@@ -6,7 +6,7 @@ The package face: importing ``zoomkv`` (or any part of it) registers every shipp
 
 from zoomkv.budget import Budget
 from zoomkv.errors import ZoomKVError
-from zoomkv.memory import LayerMemory, MemoryReport, ZoomCache, attach
+from zoomkv.memory import CacheSpec, LayerMemory, MemoryReport, ZoomCache, attach
 from zoomkv.methods import get_method, list_methods, register_method
 from zoomkv.version import __version__
 
@@ -68,6 +68,7 @@ __all__ = [
     "Budget",
     "ZoomKVError",
     "ZoomCache",
+    "CacheSpec",
     "LayerMemory",
     "MemoryReport",
     "attach",

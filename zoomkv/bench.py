@@ -4,7 +4,8 @@ Runs are interleaved (full, m1, m2, full, m1, m2, ...) and repeated, so machine 
 alike; the table reports medians and ratios to ``full`` from the same run, plus device/host bytes.
 ``--batch-size N`` decodes N prompts together (tokens per second counts all of them); ``--sync-audit`` also
 runs a few decode steps of each configuration under ``zoomkv.memory.sync_audit`` and reports the ops that
-would make the host wait for the device.
+would make the host wait for the device. What to time comes parsed (``zoomkv.runspec``: methods, adapters,
+variants, budgets), ``full`` first.
 Every speed claim in BENCHMARKS.md is this command's output.
 """
 
@@ -18,7 +19,8 @@ from typing import Any
 
 from zoomkv.data.passkey import passkey_prompt
 from zoomkv.errors import ZoomKVError
-from zoomkv.generation import generate_text
+from zoomkv.generation import GenerationResult, generate_text
+from zoomkv.runspec import REFERENCE, RunSpec, with_prefill_chunk
 
 
 def _mib(n: float) -> str:
@@ -30,32 +32,13 @@ def _progress(t0: float, message: str) -> None:
     print(f"[bench {time.perf_counter() - t0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def run_bench(args: Any) -> list[dict[str, Any]]:
-    from zoomkv.budget import Budget
-    from zoomkv.methods import get_method
+def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
+    """Time every run of ``runs`` (``full`` first: the reference the ratios are to), interleaved, and print the
+    table (or the JSON); returns its rows."""
     from zoomkv.models import context_limit, load_model, parse_dtype, resolve_device
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    budgets = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
-    for m in methods:
-        get_method(m)
-    for b in budgets:
-        Budget.parse(b)
-    if not budgets and any(m != "full" for m in methods):
-        raise ZoomKVError(f"--budgets: no budget given for {', '.join(m for m in methods if m != 'full')}")
-    if args.repeats < 1 or args.new_tokens < 2:
-        raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
+    chunks = _check_settings(args)
     batch = getattr(args, "batch_size", 1)
-    if batch < 1:
-        raise ZoomKVError(f"--batch-size must be at least 1, got {batch}")
-    if args.length < 64:
-        raise ZoomKVError(f"--length must be at least 64 tokens, got {args.length}")
-    try:
-        chunks = [int(c) for c in str(getattr(args, "prefill_chunk", "") or "").split(",") if c.strip()]
-    except ValueError:
-        raise ZoomKVError(f"--prefill-chunk expects whole numbers, got {args.prefill_chunk!r}") from None
-    if any(c < 1 for c in chunks):
-        raise ZoomKVError(f"--prefill-chunk must be positive, got {args.prefill_chunk!r}")
     t0 = time.perf_counter()
     random_weights = bool(getattr(args, "random_weights", False))
     _progress(t0, f"loading {args.model}" + (" (random weights)" if random_weights else ""))
@@ -64,16 +47,20 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
     if args.length + args.new_tokens > context_limit(model):
         raise ZoomKVError(f"--length {args.length} plus --new-tokens {args.new_tokens} is over {args.model}'s maximum "
                           f"context of {context_limit(model)} tokens")
+    for run in runs:
+        run.cache.check_model(model)
+    for adapter in {id(r.adapter): r.adapter for r in runs if r.adapter is not None}.values():
+        adapter.attach(model)  # refuses another base model, naming both fingerprints
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     # One prompt per sequence of the batch: the same length, each with its own pass key.
     prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]
 
-    configs: list[tuple[str, str | None, int | None]] = []
-    for chunk in [None, *chunks]:
-        configs.append(("full", None, chunk))
-        configs += [(m, b, chunk) for m in methods if m != "full" for b in budgets]
+    configs = [with_prefill_chunk(run, chunk) for chunk in [None, *chunks] for run in runs]
+    reference = next((i for i, c in enumerate(configs) if c.label == REFERENCE), None)
+    if reference != 0:
+        raise ZoomKVError("bench times every run against full: full must come first")
 
-    def run(m: str, b: str | None, chunk: int | None, new: int) -> tuple[Any, int | None]:
+    def timed(run: RunSpec, new: int) -> tuple[GenerationResult, int | None]:
         cuda = model.device.type == "cuda"
         if cuda:
             import torch
@@ -81,35 +68,34 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             torch.cuda.synchronize(model.device)
             base = torch.cuda.memory_allocated(model.device)
             torch.cuda.reset_peak_memory_stats(model.device)
-        r = generate_text(model, tokenizer, prompts, method=m, budget=b, max_new_tokens=new, chat=False,
-                          stop_at_eos=False, prefill_chunk=chunk)
+        r = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new, chat=False, stop_at_eos=False)
         return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
     # warm-up: one short run per configuration so lazy initialisation is not timed
-    for m, b, chunk in [] if getattr(args, "no_warmup", False) else configs:
-        _progress(t0, f"warm-up {m}" + (f"@{b}" if b else "") + (f" chunk {chunk}" if chunk else ""))
-        run(m, b, chunk, 2)
+    for run in [] if getattr(args, "no_warmup", False) else configs:
+        _progress(t0, f"warm-up {_name(run)}")
+        timed(run, 2)
 
-    samples: dict[tuple[str, str | None, int | None], list[Any]] = {c: [] for c in configs}
+    samples: list[list[tuple[GenerationResult, int | None]]] = [[] for _ in configs]
     for rep in range(args.repeats):
         _progress(t0, f"repeat {rep + 1}/{args.repeats}")
-        for c in configs:
-            samples[c].append(run(*c, args.new_tokens))
+        for i, run in enumerate(configs):
+            samples[i].append(timed(run, args.new_tokens))
 
     syncs = _sync_audit(model, tokenizer, prompts, configs, t0) if getattr(args, "sync_audit", False) else {}
 
     rows = []
-    full_prefill = statistics.median(r.prefill_s for r, _ in samples[("full", None, None)])
-    full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[("full", None, None)])
-    for (m, _budget, chunk), results in samples.items():
+    full_prefill = statistics.median(r.prefill_s for r, _ in samples[reference])
+    full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[reference])
+    for i, (run, results) in enumerate(zip(configs, samples, strict=True)):
         prefill = statistics.median(r.prefill_s for r, _ in results)
         decode = statistics.median(r.decode_ms_per_token for r, _ in results)
         last, cuda_peak = results[-1]
         mem = last.memory
         rows.append({
-            "method": m,
+            "method": run.label,
             "budget": mem.budget,
-            "prefill_chunk": chunk,
+            "prefill_chunk": run.cache.prefill_chunk,
             "batch_size": batch,
             "prompt_tokens": last.prompt_tokens,
             "prefill_s": round(prefill, 4),
@@ -117,7 +103,7 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
             "decode_ms_per_token": round(decode, 3),
             "decode_ratio": round(decode / full_decode, 3),
             "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
-            "syncs_per_step": syncs.get((m, _budget, chunk)),  # with --sync-audit: host waits per decode step
+            "syncs_per_step": syncs.get(i),  # with --sync-audit: host waits per decode step
             "device_bytes": mem.device_bytes,
             "host_bytes": mem.host_bytes,
             "full_kv_bytes": mem.full_kv_bytes,
@@ -158,9 +144,10 @@ def run_bench(args: Any) -> list[dict[str, Any]]:
 SYNC_AUDIT_STEPS = 4
 
 
-def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list, t0: float) -> dict:
-    """Per configuration (one-shot prefill only): the ops per decode step that would make the host wait for
-    the device, over ``SYNC_AUDIT_STEPS`` steps after a fresh prefill (zoomkv.memory.sync_audit)."""
+def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec], t0: float) -> dict[int, float]:
+    """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
+    make the host wait for the device, over ``SYNC_AUDIT_STEPS`` steps after a fresh prefill
+    (zoomkv.memory.sync_audit)."""
     from zoomkv.generation import encode_prompts
     from zoomkv.memory import ZoomCache
     from zoomkv.memory.sync_audit import audit_decode, summarize
@@ -169,11 +156,35 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list, t
     inputs = encode_prompts(tokenizer, prompts, max_length=context_limit(model), max_new_tokens=SYNC_AUDIT_STEPS,
                             device=model.device)
     found = {}
-    for m, b, chunk in configs:
-        if chunk is not None:
+    for i, run in enumerate(configs):
+        if run.cache.prefill_chunk is not None:
             continue
-        cache = ZoomCache(model, m, b, tokenizer=tokenizer)
+        cache = ZoomCache(model, run.cache, tokenizer=tokenizer)
         audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
-        found[(m, b, chunk)] = round(sum(len(a.events) for a in audits) / len(audits), 2)
-        _progress(t0, f"sync audit {m}" + (f"@{b}" if b else "") + ": " + summarize(audits).replace("\n", "\n    "))
+        found[i] = round(sum(len(a.events) for a in audits) / len(audits), 2)
+        _progress(t0, f"sync audit {_name(run)}: " + summarize(audits).replace("\n", "\n    "))
     return found
+
+
+def _name(run: RunSpec) -> str:
+    """A configuration in progress lines: ``quest+tail@128 chunk 512``."""
+    chunk = run.cache.prefill_chunk
+    return run.label + (f"@{run.budget}" if run.budget else "") + (f" chunk {chunk}" if chunk else "")
+
+
+def _check_settings(args: Any) -> list[int]:
+    """The timing settings, checked before the model loads; returns the --prefill-chunk sizes to compare."""
+    if args.repeats < 1 or args.new_tokens < 2:
+        raise ZoomKVError("--repeats must be ≥ 1 and --new-tokens ≥ 2")
+    batch = getattr(args, "batch_size", 1)
+    if batch < 1:
+        raise ZoomKVError(f"--batch-size must be at least 1, got {batch}")
+    if args.length < 64:
+        raise ZoomKVError(f"--length must be at least 64 tokens, got {args.length}")
+    try:
+        chunks = [int(c) for c in str(getattr(args, "prefill_chunk", "") or "").split(",") if c.strip()]
+    except ValueError:
+        raise ZoomKVError(f"--prefill-chunk expects whole numbers, got {args.prefill_chunk!r}") from None
+    if any(c < 1 for c in chunks):
+        raise ZoomKVError(f"--prefill-chunk must be positive, got {args.prefill_chunk!r}")
+    return chunks

@@ -58,9 +58,13 @@ class Budget:
             if number > 1:
                 raise BudgetError(f"a fractional budget must be at most 1.0, got {value!r}")
             return cls(fraction=number)
-        if max_rows is not None and number > max_rows:
-            raise BudgetError(f"budget {number} rows exceeds the model's maximum context of {max_rows} tokens")
-        return cls(rows=int(number))
+        return cls(rows=int(number)).check_fits(max_rows)
+
+    def check_fits(self, max_rows: int | None) -> Budget:
+        """Refuse a row count over ``max_rows`` (the model's longest context): no prompt could ever need it."""
+        if max_rows is not None and self.rows is not None and self.rows > max_rows:
+            raise BudgetError(f"budget {self.rows} rows exceeds the model's maximum context of {max_rows} tokens")
+        return self
 
     def resolve(self, context_length: int) -> int:
         """Rows per layer per KV head for a prompt of ``context_length`` tokens."""

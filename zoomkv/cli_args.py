@@ -1,11 +1,13 @@
-"""Argument parsing the subcommands share: ``--method-arg`` hyper-parameter overrides, and whole numbers
-held to a range (``int_option``) so that ``--samples 99999999999999999999`` is refused, not run for ever.
+"""Argument parsing the subcommands share: the run grammar's flags (``add_run_arguments``, parsed by
+``zoomkv.runspec``: the same for ``generate``, ``chat``, ``bench`` and ``eval``), ``--method-arg``
+hyper-parameter overrides, and whole numbers held to a range (``int_option``) so that
+``--samples 99999999999999999999`` is refused, not run for ever.
 
-Both forms take repeatable, comma-separated items whose values are YAML scalars (``16`` an int, ``0.5`` a
-float, ``true`` a bool):
+``--method-arg`` takes repeatable, comma-separated items whose values are YAML scalars (``16`` an int,
+``0.5`` a float, ``true`` a bool):
 
-* ``key=value`` for one method (``zoomkv generate --method-arg window=16``);
-* ``method.key=value`` when a run has several methods (``zoomkv eval --method-args snapkv.window=16``).
+* ``key=value`` for every run the command names (``zoomkv generate --method snapkv --method-arg window=16``);
+* ``method.key=value`` for that method's runs only (``zoomkv eval --method-args snapkv.window=16``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 from zoomkv.errors import ZoomKVError
 
-__all__ = ["int_option", "parse_method_args", "parse_scoped_method_args", "parse_value"]
+__all__ = ["add_run_arguments", "int_option", "parse_method_args", "parse_run_method_args",
+           "parse_scoped_method_args", "parse_value", "run_from_args", "runs_from_args"]
 
 
 def int_option(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
@@ -76,3 +79,95 @@ def parse_scoped_method_args(items: list[str] | None) -> dict[str, dict[str, Any
             raise ZoomKVError(f"--method-args expects method.key=value (e.g. snapkv.window=16), got {item!r}")
         out.setdefault(method.strip(), {})[key.strip()] = parse_value(value, name.strip())
     return out
+
+
+def parse_run_method_args(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``--method-arg`` of the run grammar → ``{method: {key: value}}``; ``key=value`` items (no method) under
+    ``zoomkv.runspec.ALL_METHODS``: every run the command names."""
+    from zoomkv.runspec import ALL_METHODS
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in _items(items):
+        name, eq, value = item.partition("=")
+        method, dot, key = name.strip().rpartition(".")
+        if not eq or not key.strip() or (dot and not method.strip()):
+            raise ZoomKVError(f"--method-arg expects key=value or method.key=value (e.g. window=16, "
+                              f"snapkv.window=16), got {item!r}")
+        out.setdefault(method.strip() if dot else ALL_METHODS, {})[key.strip()] = parse_value(value, name.strip())
+    return out
+
+
+def _nonempty(what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"needs {what}, got an empty name")
+        return text
+
+    parse.__name__ = "name"
+    return parse
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, several: bool, methods: str | None = None,
+                      budgets: str | None = None, prefill_chunk: bool = True) -> None:
+    """The run grammar's flags (``zoomkv.runspec``): the same names and meaning on every command that runs a
+    method. ``several``: eval and bench (comma-separated lists, repeated adapters, ``full`` as the reference);
+    otherwise one configuration (generate, chat). ``methods``/``budgets``: the command's defaults."""
+    plural = "comma-separated; " if several else ""
+    parser.add_argument("--method", "--methods", dest="methods", default=methods, metavar="METHOD[+VARIANT]",
+                        help=f"{plural}a name from `zoomkv methods`, with variants +tail, +int8, +int4 "
+                             f"(quest+tail+int8)" + ("; full is always included as the reference" if several else
+                                                     "; default full"))
+    parser.add_argument("--adapter", action="append", type=_nonempty("an adapter folder or Hub id"),
+                        metavar="DIR_OR_HUB_ID[+VARIANT]",
+                        help="a trained adapter (folder from `zoomkv export`, training run, or Hub id): its method "
+                             "with its modules, at its own budget unless --budget is given; DIR+int8 / +int4 / +tail "
+                             "as for --method" + ("; repeatable, comma-separated" if several else
+                                                  "; not with --method (the adapter sets the method)"))
+    parser.add_argument("--budget", "--budgets", dest="budgets", default=budgets, metavar="B" + ("[,B...]" if several else ""),
+                        help=f"{plural}device-tier rows per layer per KV head: 512, or 0.1 of the prompt")
+    parser.add_argument("--method-arg", "--method-args", dest="method_args", action="append",
+                        metavar="[METHOD.]KEY=VALUE",
+                        help="a hyper-parameter: KEY=VALUE for every run named, METHOD.KEY=VALUE for that method's "
+                             "(repeatable, or comma-separated)")
+    parser.add_argument("--tail-summary", action="store_true",
+                        help="+tail on every run named: one mean row (log-count bias) for every row not selected "
+                             "(recallable methods; one of the B rows)")
+    parser.add_argument("--kv-quant", choices=["none", "int8", "int4"], default=None,
+                        help="+int8 / +int4 on every run named: the host tier as int8/int4 codes with per-group "
+                             "fp16 scales (full, which has no host tier: its device tier)")
+    parser.add_argument("--kv-quant-tiers", choices=["host", "all"], default=None,
+                        help="where --kv-quant quantizes: host (methods with a budget) or all (full, the default "
+                             "there); the other choice is refused")
+    if prefill_chunk:
+        parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                            help="put the prompt through in pieces of N tokens, compressed as they go (peak device "
+                                 "KV per layer: the budget plus N rows)")
+
+
+def _names(groups: list[str] | None) -> list[str]:
+    return [t.strip() for group in groups or [] if group for t in group.split(",") if t.strip()]
+
+
+def runs_from_args(args: argparse.Namespace, *, reference: bool = True, default_budgets: tuple[str, ...] = (),
+                   prefill_chunk: int | None = None) -> list[Any]:
+    """eval's and bench's runs: ``full`` first, then every method and adapter at every budget;
+    ``default_budgets``: the methods' when ``--budgets`` is not given at all."""
+    from zoomkv.runspec import parse_runs
+
+    return parse_runs(_names([args.methods]), _names(args.adapter), _names([args.budgets]),
+                      method_args=parse_run_method_args(args.method_args), tail_summary=args.tail_summary,
+                      kv_quant=args.kv_quant, kv_quant_tiers=args.kv_quant_tiers, prefill_chunk=prefill_chunk,
+                      reference=reference, default_budgets=default_budgets if args.budgets is None else ())
+
+
+def run_from_args(args: argparse.Namespace) -> Any:
+    """generate's and chat's one configuration."""
+    from zoomkv.runspec import parse_run
+
+    adapters = args.adapter or []
+    if len(adapters) > 1:
+        raise ZoomKVError(f"--adapter: this command runs one adapter, got {len(adapters)}")
+    return parse_run(args.methods, adapters[0] if adapters else None, args.budgets,
+                     method_args=parse_run_method_args(args.method_args), tail_summary=args.tail_summary,
+                     kv_quant=args.kv_quant, kv_quant_tiers=args.kv_quant_tiers,
+                     prefill_chunk=getattr(args, "prefill_chunk", None))

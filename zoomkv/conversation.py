@@ -14,7 +14,7 @@ import torch
 
 from zoomkv import compat
 from zoomkv.errors import PromptError
-from zoomkv.memory import MemoryReport, ZoomCache
+from zoomkv.memory import CacheSpec, MemoryReport, ZoomCache
 from zoomkv.models import context_limit
 
 DOCUMENT_TURN = "Here is a document. Read it; I will ask you questions about it.\n\n"
@@ -22,9 +22,9 @@ ACKNOWLEDGEMENT = "I have read the document. Ask me anything about it."
 
 
 class Conversation:
-    def __init__(self, model: Any, tokenizer: Any, document: str, *, method: Any = "full", budget: Any = None,
-                 chat: bool | None = None, max_new_tokens: int = 128, prefill_chunk: int | None = None,
-                 **cache_kwargs: Any):
+    def __init__(self, model: Any, tokenizer: Any, document: str, spec: CacheSpec, *, chat: bool | None = None,
+                 max_new_tokens: int = 128):
+        """``spec``: the cache the document is compressed into (method, budget, variants, prefill chunk)."""
         if not document.strip():
             raise PromptError("the document is empty")
         if max_new_tokens < 1:
@@ -32,8 +32,7 @@ class Conversation:
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
         self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
         self.messages: list[dict[str, str]] = []
-        self.cache = ZoomCache(model, method, budget, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
-                               **cache_kwargs)
+        self.cache = ZoomCache(model, spec, tokenizer=tokenizer)
         if self.chat:
             self.messages = [{"role": "user", "content": DOCUMENT_TURN + document},
                              {"role": "assistant", "content": ACKNOWLEDGEMENT}]

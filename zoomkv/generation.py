@@ -1,27 +1,25 @@
 """``generate_text``: the one call the CLI, the demo and the benchmarks use to run a method on prompts.
 
 It validates the prompt, applies the chat template when asked, runs ``model.generate`` with a
-``ZoomCache``, and times prefill and decoding separately (a logits processor timestamps every step).
+``ZoomCache`` built from a parsed ``CacheSpec`` (method, budget, variants, prefill chunk), and times prefill
+and decoding separately (a logits processor timestamps every step). ``generate_methods`` runs several specs
+from one shared prefill.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from zoomkv import compat
-from zoomkv.budget import Budget
 from zoomkv.errors import PromptError
-from zoomkv.memory import MemoryReport, ZoomCache
+from zoomkv.memory import CacheSpec, MemoryReport, ZoomCache
 from zoomkv.memory.replay import cache_from_record, prefill_positions, record_prefill
 from zoomkv.models import context_limit
-
-if TYPE_CHECKING:
-    from zoomkv.protocol.method import KVMethod
 
 
 @dataclass
@@ -92,32 +90,25 @@ def generate_text(
     model: Any,
     tokenizer: Any,
     prompts: str | list[str],
+    spec: CacheSpec,
     *,
-    method: str = "full",
-    budget: str | int | float | Budget | None = None,
     max_new_tokens: int = 64,
     chat: bool | None = None,
-    method_kwargs: dict[str, Any] | None = None,
     stop_at_eos: bool = True,
-    kv_quant: str | None = None,
-    kv_quant_tiers: str = "host",
-    tail_summary: bool = False,
-    prefill_chunk: int | None = None,
 ) -> GenerationResult:
-    """Generate from ``prompts`` with ``method`` at ``budget``; ``prefill_chunk``: put the prompt through in
-    pieces of that many tokens, compressed as they go (``ZoomCache(prefill_chunk=...)``)."""
+    """Generate from ``prompts`` with the cache ``spec`` describes (``CacheSpec.build("quest", 256)``; its
+    ``prefill_chunk``: the prompt goes through in pieces of that many tokens, compressed as they go)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     max_len = context_limit(model)
-    budget = Budget.parse(budget, max_rows=max_len)
+    spec.check_model(model)
     texts = [format_prompt(tokenizer, p, chat) for p in prompts]
     inputs = encode_prompts(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
-    cache = ZoomCache(model, method, budget, tokenizer=tokenizer, kv_quant=kv_quant, kv_quant_tiers=kv_quant_tiers,
-                      tail_summary=tail_summary, prefill_chunk=prefill_chunk, **(method_kwargs or {}))
+    cache = ZoomCache(model, spec, tokenizer=tokenizer)
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -154,48 +145,29 @@ def generate_text(
     )
 
 
-@dataclass
-class MethodRun:
-    """One method configuration to run on a prompt: ``MethodRun("snapkv", 256, {"window": 16})``."""
-
-    method: str | KVMethod  # a registered name, or a method object (e.g. ``ZoomAdapter.make_method()``)
-    budget: str | int | float | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    kv_quant: str | None = None  # "int8" / "int4": quantize the host tier (and the device tier with "all")
-    kv_quant_tiers: str = "host"
-    tail_summary: bool = False  # add the softmax-tail row (recallable methods only)
-    label: str = ""  # how results name this run; default: the method's name and its options
-
-    def __post_init__(self) -> None:
-        if not self.label:
-            name = self.method if isinstance(self.method, str) else self.method.name
-            extra = ("+tail" if self.tail_summary else "") + (f"+{self.kv_quant}" if self.kv_quant else "")
-            self.label = name + extra
-
-
 @torch.inference_mode()
 def generate_methods(
     model: Any,
     tokenizer: Any,
     prompts: str | list[str],
-    runs: list[MethodRun],
+    specs: list[CacheSpec],
     *,
     max_new_tokens: int = 32,
     chat: bool | None = None,
     stop_at_eos: bool = True,
     contexts: list[str] | None = None,
-    prefill_chunk: int | None = None,
     keep_caches: bool = False,
     diagnose: bool = False,
     focus: list[list[str]] | None = None,
 ) -> list[GenerationResult]:
-    """Run several methods on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
+    """Run several cache specs on the same prompts with a single prefill (see ``zoomkv.memory.replay``).
 
     ``contexts`` (the query-agnostic protocol): for each prompt, its leading part that is prefilled and
     compressed before the rest (the question and the answer prefix) arrives; the rest then extends each
     method's compressed cache. Without it the whole prompt is prefilled and compressed (query-aware), and
     tokens are exactly those ``generate_text`` gives for each method; ``prefill_s`` is the shared prefill.
-    ``prefill_chunk``: no shared prefill; each method's cache takes the prompt (or context) in pieces.
+    A spec with a ``prefill_chunk`` takes no part in the shared prefill: its cache takes the prompt (or
+    context) in pieces by itself.
     ``keep_caches``: each result keeps its cache and token sequence, so more turns can follow.
     ``diagnose``: each result's ``diagnostics`` say, per sequence, layer and KV head, what share of full
     attention its selections kept (``zoomkv.memory.diagnostics``); with ``focus`` (per prompt, strings such
@@ -207,17 +179,17 @@ def generate_methods(
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     max_len = context_limit(model)
-    for run in runs:
-        Budget.parse(run.budget, max_rows=max_len)
+    for spec in specs:
+        spec.check_model(model)  # before the prefill
     texts = [format_prompt(tokenizer, p, chat) for p in prompts]
     if contexts is None:
         inputs = encode_prompts(tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens,
                                 device=model.device)
-        results = _from_shared_prefill(model, tokenizer, inputs, runs, max_new_tokens, stop_at_eos, prefill_chunk,
-                                       diagnose, keep_caches)
+        results = _from_shared_prefill(model, tokenizer, inputs, specs, max_new_tokens, stop_at_eos, diagnose,
+                                       keep_caches)
     else:
-        results = _query_agnostic(model, tokenizer, texts, contexts, runs, max_new_tokens, stop_at_eos,
-                                  prefill_chunk, max_len, diagnose, focus if diagnose else None, keep_caches)
+        results = _query_agnostic(model, tokenizer, texts, contexts, specs, max_new_tokens, stop_at_eos, max_len,
+                                  diagnose, focus if diagnose else None, keep_caches)
     return results
 
 
@@ -232,13 +204,15 @@ def _release(result: GenerationResult, keep_caches: bool) -> GenerationResult:
     return result
 
 
-def _cache_for(model: Any, tokenizer: Any, run: MethodRun, record: Any, prefill_chunk: int | None,
-               diagnose: bool = False) -> ZoomCache:
-    options = {"kv_quant": run.kv_quant, "kv_quant_tiers": run.kv_quant_tiers, "tail_summary": run.tail_summary,
-               "diagnose": diagnose, **run.kwargs}
-    if record is not None:
-        return cache_from_record(model, record, run.method, run.budget, tokenizer=tokenizer, **options)
-    return ZoomCache(model, run.method, run.budget, tokenizer=tokenizer, prefill_chunk=prefill_chunk, **options)
+def _shared_record(model: Any, specs: list[CacheSpec], ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """The one prefill every spec without a ``prefill_chunk`` starts from (None when every spec chunks)."""
+    return record_prefill(model, ids, mask) if any(s.prefill_chunk is None for s in specs) else None
+
+
+def _cache_for(model: Any, tokenizer: Any, spec: CacheSpec, record: Any, diagnose: bool = False) -> ZoomCache:
+    if spec.prefill_chunk is None:
+        return cache_from_record(model, record, spec, tokenizer=tokenizer, diagnose=diagnose)
+    return ZoomCache(model, spec, tokenizer=tokenizer, diagnose=diagnose)
 
 
 def _decode(model: Any, tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
@@ -281,17 +255,17 @@ def _result(tokenizer: Any, cache: ZoomCache, ids: torch.Tensor, new: torch.Tens
     )
 
 
-def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], runs: list[MethodRun],
-                         max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
-                         diagnose: bool = False, keep_caches: bool = False) -> list[GenerationResult]:
+def _from_shared_prefill(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], specs: list[CacheSpec],
+                         max_new_tokens: int, stop_at_eos: bool, diagnose: bool = False,
+                         keep_caches: bool = False) -> list[GenerationResult]:
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     eos = tokenizer.eos_token_id
-    record = None if prefill_chunk else record_prefill(model, ids, mask)
+    record = _shared_record(model, specs, ids, mask)
     results = []
-    for run in runs:
-        cache = _cache_for(model, tokenizer, run, record, prefill_chunk, diagnose)
+    for spec in specs:
+        cache = _cache_for(model, tokenizer, spec, record, diagnose)
         start = time.perf_counter()
-        if record is None:  # chunked: the prefill is this method's own, timed to its first token
+        if spec.prefill_chunk is not None:  # chunked: the prefill is this method's own, timed to its first token
             new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
             prefill_s = stamps[0] - start if stamps else time.perf_counter() - start
             decode_ms = _step_ms(stamps)
@@ -336,9 +310,8 @@ def _occurrences(text: str, s: str) -> list[int]:
     return found
 
 
-def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], runs: list[MethodRun],
-                    max_new_tokens: int, stop_at_eos: bool, prefill_chunk: int | None,
-                    max_len: int, diagnose: bool = False,
+def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list[str], specs: list[CacheSpec],
+                    max_new_tokens: int, stop_at_eos: bool, max_len: int, diagnose: bool = False,
                     focus: list[list[str]] | None = None, keep_caches: bool = False) -> list[GenerationResult]:
     if len(contexts) != len(texts):
         raise PromptError(f"{len(contexts)} contexts for {len(texts)} prompts")
@@ -370,18 +343,18 @@ def _query_agnostic(model: Any, tokenizer: Any, texts: list[str], contexts: list
     if focus is not None:
         pads = [total - len(c) - len(r) for c, r in zip(rows, rest, strict=True)]
         focus_rows = focus_positions(tokenizer, contexts, focus, pads)
-    record = None if prefill_chunk else record_prefill(model, ctx["input_ids"], ctx["attention_mask"])
+    record = _shared_record(model, specs, ctx["input_ids"], ctx["attention_mask"])
     results = []
-    for run in runs:
-        cache = _cache_for(model, tokenizer, run, record, prefill_chunk, diagnose)
+    for spec in specs:
+        cache = _cache_for(model, tokenizer, spec, record, diagnose)
         if cache.probe is not None:
             cache.probe.focus = focus_rows
         start = time.perf_counter()
-        if record is None:  # this method's own (chunked) prefill of the context, without the question
+        if spec.prefill_chunk is not None:  # this method's own (chunked) prefill of the context, without the question
             model(input_ids=ctx["input_ids"], attention_mask=ctx["attention_mask"], use_cache=True, logits_to_keep=1,
                   position_ids=prefill_positions(ctx["attention_mask"]),
                   **compat.generate_cache_kwargs(cache))
-        prefill_s = record.prefill_s if record is not None else time.perf_counter() - start
+        prefill_s = record.prefill_s if spec.prefill_chunk is None else time.perf_counter() - start
         start = time.perf_counter()
         new, stamps = _decode(model, tokenizer, cache, ids, mask, max_new_tokens, stop_at_eos)
         decode_ms = _step_ms(stamps)  # the first stamp ends the question's pass through the compressed cache
@@ -396,21 +369,20 @@ def generate_turns(
     tokenizer: Any,
     prompt: str,
     follow_ups: list[str],
-    runs: list[MethodRun],
+    specs: list[CacheSpec],
     *,
     max_new_tokens: list[int],
     context: str | None = None,
     stop_at_eos: bool = True,
-    prefill_chunk: int | None = None,
 ) -> list[list[GenerationResult]]:
-    """Several turns on one cache per method: ``prompt`` (whose ``context`` is compressed first when
+    """Several turns on one cache per spec: ``prompt`` (whose ``context`` is compressed first when
     given, query-agnostic), then each follow-up text appended after the previous answer, which stays in
-    the cache. ``max_new_tokens[i]`` per turn. Returns, per run, one result per turn (memory after it)."""
+    the cache. ``max_new_tokens[i]`` per turn. Returns, per spec, one result per turn (memory after it)."""
     if len(max_new_tokens) != len(follow_ups) + 1:
         raise PromptError(f"{len(max_new_tokens)} generation lengths for {len(follow_ups) + 1} turns")
-    first = generate_methods(model, tokenizer, [prompt], runs, max_new_tokens=max_new_tokens[0], chat=False,
+    first = generate_methods(model, tokenizer, [prompt], specs, max_new_tokens=max_new_tokens[0], chat=False,
                              stop_at_eos=stop_at_eos, contexts=None if context is None else [context],
-                             prefill_chunk=prefill_chunk, keep_caches=True)
+                             keep_caches=True)
     out = []
     for result in first:
         cache, ids = result.cache, result.sequence

@@ -12,7 +12,6 @@ code from the folder runs.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import tempfile
 import warnings
@@ -30,7 +29,7 @@ from zoomkv.adapters.config import (
     WEIGHTS_NAME,
     ZoomAdapterConfig,
 )
-from zoomkv.adapters.errors import AdapterConfigError, AdapterError, BaseModelMismatchError
+from zoomkv.adapters.errors import AdapterConfigError, BaseModelMismatchError
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.hub import push_folder, resolve_adapter
 from zoomkv.adapters.weights import (
@@ -44,7 +43,7 @@ from zoomkv.adapters.weights import (
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.cache import ZoomCache, attach
 from zoomkv.models.registry import same_base_name
-from zoomkv.protocol.registry import METHODS, get_method, get_training
+from zoomkv.protocol.registry import METHODS, get_training
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, base_fingerprint
 
 
@@ -237,36 +236,27 @@ class ZoomAdapter:
         """Check the base model, put the modules on its device and route its attention through zoomkv."""
         self.check_base(model)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.modules.to(device)
-        model.zoomkv_adapter = self  # not a submodule: the model's own state_dict stays the base model's
+        self.modules.to(device)  # the method holds these very modules (make_method): they move with it
         return attach(model)
 
     def make_method(self, **overrides: Any) -> Any:
-        """The KV method object with this adapter's hyper-parameters and modules.
+        """The KV method object with this adapter's hyper-parameters (``overrides`` on top) and its modules.
 
         Hyper-parameters that are fields of the method's config go to the method; the rest only size the
-        modules. The modules reach the method as ``get_method(name, adapter=modules)`` when its constructor
-        or config takes an ``adapter`` (sekv), else through ``method.attach_adapter(modules)``.
+        modules. The method's registered training puts the modules into it (``MethodTraining.with_modules``),
+        as it does for the trainer.
         """
         name = self.config.method
         if name not in METHODS:
             raise ConfigError(f"adapter method {name!r} is not a registered KV method")
         cls = METHODS[name]
-        fields = {f.name for f in dataclasses.fields(cls.config_class)}
-        paths = sorted(f.name for f in dataclasses.fields(cls.config_class)
-                       if f.metadata.get("path") and self.config.hyper.get(f.name) is not None)
+        fields = dataclasses.fields(cls.config_class)
+        paths = sorted(f.name for f in fields if f.metadata.get("path") and self.config.hyper.get(f.name) is not None)
         if paths:  # an adapter's weights are its own folder's: a config value is never followed as a path
             raise AdapterConfigError(f"{name} adapter: hyper-parameter(s) {paths} name a file; an adapter "
                                      "config may not point outside its folder")
-        kwargs = {k: v for k, v in self.config.hyper.items() if k in fields}
-        kwargs.update(overrides)
-        if "adapter" in inspect.signature(cls.__init__).parameters or "adapter" in fields:
-            return get_method(name, **kwargs, adapter=self.modules)  # e.g. sekv: SeKV(adapter=modules)
-        if hasattr(cls, "attach_adapter"):
-            method = get_method(name, **kwargs)
-            method.attach_adapter(self.modules)
-            return method
-        raise AdapterError(f"method {name!r} takes no adapter (no 'adapter' argument, attach_adapter() or field)")
+        kwargs = {k: v for k, v in self.config.hyper.items() if k in {f.name for f in fields}}
+        return get_training(name).with_modules(cls.make_config(**{**kwargs, **overrides}), self.modules)
 
 
 def _model_revision(model: Any) -> str | None:

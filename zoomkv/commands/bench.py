@@ -1,19 +1,25 @@
 """Time prefill and decode of methods against full, interleaved, in one process.
 
     zoomkv bench --model smollm2-135m --length 4096 --methods full,oracle_topk --budgets 256
+    zoomkv bench --model smollm2-135m --length 4096 --methods quest --adapter runs/sekv/adapter,runs/sekv/adapter+int8 --budgets 128
+
+Methods and adapters take the grammar every command takes (``zoomkv.runspec``): ``+tail``, ``+int8``, ``+int4``,
+``--tail-summary``, ``--kv-quant``, ``--method-arg``; without ``--budgets`` an adapter runs at its own budget
+and the methods at 256.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from zoomkv.cli_args import int_option
+from zoomkv.cli_args import add_run_arguments, int_option, runs_from_args
+
+DEFAULT_BUDGETS = ("256",)  # the methods' budget when --budgets is not given (an adapter's own is its)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", default="full,oracle_topk", help="comma-separated; full is always included")
-    parser.add_argument("--budgets", default="256", help="comma-separated budgets (rows or fractions)")
+    add_run_arguments(parser, several=True, methods="full,oracle_topk", prefill_chunk=False)
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int_option(1, 10_000), default=3)
@@ -23,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build --model (a local folder with config.json + tokenizer) with random weights: timing only")
     parser.add_argument("--prefill-chunk", default="", metavar="N[,N...]",
                         help="also run every configuration with chunked prefill (pieces of N tokens) and report its "
-                             "peak device memory and prefill time beside the one-shot prefill")
+                             "peak device memory and prefill time beside the one-shot prefill (the comparison is "
+                             "bench's point: here N adds runs, elsewhere it sets the one run)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
     parser.add_argument("--batch-size", type=int, default=1,
@@ -37,5 +44,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from zoomkv.bench import run_bench
 
-    run_bench(args)
+    run_bench(args, runs_from_args(args, default_budgets=DEFAULT_BUDGETS))
     return 0

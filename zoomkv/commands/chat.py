@@ -3,6 +3,7 @@ answer extends that cache. Device and host bytes are printed after each turn. Ty
 input) to leave, /memory for the full memory report.
 
     zoomkv chat --model smollm2-135m --method oracle_topk --budget 256 --context-file report.txt
+    zoomkv chat --model smollm2-135m --adapter checkpoints/sekv-smollm2+int8 --context-file report.txt
     printf 'What is the pass key?\\nAnd again?\\n' | zoomkv chat --method quest --budget 128 --context-file doc.txt
 """
 
@@ -11,23 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zoomkv.cli_args import parse_method_args
+from zoomkv.cli_args import add_run_arguments, run_from_args
 from zoomkv.data.files import read_text_file
 from zoomkv.errors import ZoomKVError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
-    parser.add_argument("--method", default="full", help="a name from `zoomkv methods`")
-    parser.add_argument("--adapter", default=None, help="a trained adapter folder or Hub id (its method and budget)")
-    parser.add_argument("--budget", default=None, help="device-tier rows per layer per KV head: 512, or 0.1 of the document")
-    parser.add_argument("--method-arg", "--method-args", dest="method_arg", action="append", metavar="KEY=VALUE[,K=V]",
-                        help="override a hyper-parameter of the method (repeatable)")
+    add_run_arguments(parser, several=False)
     parser.add_argument("--context-file", required=True, help="the document to talk about (UTF-8 text)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="the longest answer, in tokens")
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                         help="use the model's chat template (auto: when it has one); off: Question:/Answer: lines")
-    parser.add_argument("--prefill-chunk", type=int, metavar="N", help="compress the document in pieces of N tokens")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
 
@@ -44,32 +40,19 @@ def memory_line(conversation) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zoomkv.budget import Budget
     from zoomkv.conversation import Conversation
-    from zoomkv.methods import get_method
     from zoomkv.models import load_model, parse_dtype, resolve_device
 
-    method_kwargs = parse_method_args(args.method_arg)
-    adapter = None
-    if args.adapter:
-        from zoomkv.adapters.model import ZoomAdapter
-
-        adapter = ZoomAdapter.from_pretrained(args.adapter)
-        method = adapter.make_method(**method_kwargs)
-        if args.budget is None:
-            args.budget = adapter.config.budget
-    else:
-        method = get_method(args.method, **method_kwargs)  # fail fast, before loading a model
-    Budget.parse(args.budget)
+    spec = run_from_args(args)  # every check that needs no model: method, budget, variants, adapter
     document = read_text_file(args.context_file, "context file")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
-    if adapter is not None:
-        adapter.attach(model)
-    conversation = Conversation(model, tokenizer, document, method=method, budget=args.budget,
+    if spec.adapter is not None:
+        spec.adapter.attach(model)  # wrong base model → BaseModelMismatchError naming both (exit 2)
+    conversation = Conversation(model, tokenizer, document, spec.cache,
                                 chat=None if args.chat == "auto" else args.chat == "on",
-                                max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk)
+                                max_new_tokens=args.max_new_tokens)
     interactive = sys.stdin.isatty()
-    print(f"{method.name}: document compressed. {memory_line(conversation)}", flush=True)
+    print(f"{spec.label}: document compressed. {memory_line(conversation)}", flush=True)
     while True:
         if interactive:
             print("> ", end="", flush=True)

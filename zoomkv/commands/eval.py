@@ -25,7 +25,7 @@ import argparse
 import shlex
 from typing import Any
 
-from zoomkv.cli_args import int_option, parse_scoped_method_args
+from zoomkv.cli_args import add_run_arguments, int_option, parse_run_method_args
 from zoomkv.data.files import FORMATS as DATA_FORMATS
 from zoomkv.errors import ZoomKVError
 
@@ -66,8 +66,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         model=args.model, out=args.out, methods=_split(args.methods), budgets=_split(args.budgets), tasks=tasks,
         lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
         haystack=args.haystack, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
-        grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_scoped_method_args(args.method_args),
-        adapters=[a for group in args.adapter or [] for a in _split(group)],
+        grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_run_method_args(args.method_args),
+        adapters=[a for group in args.adapter or [] for a in _split(group)], tail_summary=args.tail_summary,
+        kv_quant=args.kv_quant, kv_quant_tiers=args.kv_quant_tiers,
         batch_size=args.batch_size, seed=args.seed, chat={"auto": None, "on": True, "off": False}[args.chat],
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
         report_only=args.report_only,
@@ -129,8 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
-    parser.add_argument("--methods", default="full", help="comma-separated; full is always included as the reference")
-    parser.add_argument("--budgets", default="", help="comma-separated budgets: rows (512) or fractions (0.1)")
+    add_run_arguments(parser, several=True, methods="full", budgets="")
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
     parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
     parser.add_argument("--samples", type=int_option(1, 1_000_000), default=4, help="samples per task and length (and grid cell)")
@@ -145,12 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "folder of .txt/.md files, a JSONL/Parquet/CSV file or a dataset (field 'text')")
     parser.add_argument("--grid-lengths", help="NIAH grid context lengths, comma-separated")
     parser.add_argument("--grid-depths", default="0,0.25,0.5,0.75,1", help="NIAH grid needle depths in [0, 1]")
-    parser.add_argument("--method-args", "--method-arg", dest="method_args", action="append", metavar="METHOD.KEY=VALUE",
-                        help="override a method's hyper-parameter, e.g. snapkv.window=16 (repeatable)")
-    parser.add_argument("--adapter", action="append", metavar="DIR_OR_HUB_ID",
-                        help="a trained adapter (folder or Hub id), evaluated as one more method at every --budgets "
-                             "(its own budget when none); repeatable. A suffix +tail / +int8 / +int4 runs it with that "
-                             "variant, as for --methods (DIR+int8: its host tier in int8)")
     parser.add_argument("--batch-size", type=int_option(1), default=1, help="prompts prefilled and decoded together")
     parser.add_argument("--seed", type=int_option(0, 2**32 - 1), default=0, help="seed of the task generators")
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="off",
@@ -163,8 +157,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score every step's selection against full attention: the share of its mass kept and "
                              "the overlap with the exact top-B rows, per layer, KV head and answer token "
                              "(summary.md table, diagnostics_*.png; slower)")
-    parser.add_argument("--prefill-chunk", type=int, metavar="N",
-                        help="put each prompt (or context) through in pieces of N tokens, compressed as they go")
     parser.add_argument("--max-new-tokens", type=int, help="override every task's generation length")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")

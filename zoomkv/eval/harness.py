@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import Any
 
 import torch
 
-from zoomkv.budget import Budget
 from zoomkv.data.files import DataTask, load_data
 from zoomkv.data.haystack import DEFAULT_PROSE, Haystack, text_haystack
 from zoomkv.data.sample import PromptFormat, Sample
@@ -27,7 +25,8 @@ from zoomkv.errors import ZoomKVError
 from zoomkv.eval.metrics import score
 from zoomkv.eval.rows import RowStore, row_key
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
-from zoomkv.generation import GenerationResult, MethodRun, generate_methods, generate_turns
+from zoomkv.generation import GenerationResult, generate_methods, generate_turns
+from zoomkv.runspec import RunSpec, parse_runs
 
 
 @dataclass
@@ -45,8 +44,12 @@ class EvalConfig:
     diagnose: bool = False  # rows carry the share of full attention each method's selections kept
     grid_lengths: list[int] = field(default_factory=list)
     grid_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    # {method: {key: value}}; zoomkv.runspec.ALL_METHODS ("*"): every method and adapter named
     method_args: dict[str, dict[str, Any]] = field(default_factory=dict)
     adapters: list[str] = field(default_factory=list)  # adapter folders or Hub ids, each evaluated as a method
+    tail_summary: bool = False  # +tail on every method and adapter named
+    kv_quant: str | None = None  # +int8 / +int4 on every method and adapter named
+    kv_quant_tiers: str | None = None  # where they quantize (zoomkv.runspec)
     batch_size: int = 1
     seed: int = 0
     chat: bool | None = False
@@ -69,90 +72,6 @@ class EvalConfig:
 PROTOCOLS = ("query-agnostic", "query-aware")
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    method: str  # the label rows carry: a method name, optionally with variants ("quest+tail+int8")
-    budget: str | None
-    kwargs: dict[str, Any]
-    args: str  # the kwargs as text, part of a row's identity
-    adapter: Any = field(default=None, compare=False)  # a ZoomAdapter: its method runs with its modules
-
-    def to_method_run(self) -> MethodRun:
-        if self.adapter is not None:
-            options = variant_options(self.adapter.config.method, trailing_variants(self.method)[1])
-            return MethodRun(self.adapter.make_method(**self.kwargs), self.budget, label=self.method, **options)
-        base, options = split_variants(self.method)
-        return MethodRun(base, self.budget, dict(self.kwargs), **options)
-
-
-def adapter_label(adapter: Any, source: str) -> str:
-    """How an adapter's rows are labelled: its method, the folder name or Hub id it came from, and the
-    start of its weights' checksum (so a retrained adapter in the same folder makes new rows)."""
-    path = Path(source)
-    if path.exists():  # a folder's name; a training run's `RUN/adapter` is named after the run
-        name = path.resolve().parent.name if path.resolve().name == "adapter" else path.name
-    else:
-        name = source  # a Hub id
-    return f"{adapter.config.method}:{name}@{(adapter.config.weights_sha256 or 'unsigned')[:8]}"
-
-
-def adapter_runs(cfg: EvalConfig, budgets: list[str]) -> list[RunSpec]:
-    """One run per adapter and budget (the adapter's own budget when --budgets is empty)."""
-    from zoomkv.adapters.model import ZoomAdapter
-
-    runs = []
-    for spec in dict.fromkeys(cfg.adapters):
-        source, variants = (spec, []) if Path(spec).exists() else trailing_variants(spec)
-        adapter = ZoomAdapter.from_pretrained(source)  # errors (missing, corrupt, offline) before the model loads
-        label = adapter_label(adapter, source) + "".join("+" + v for v in variants)
-        own = [str(Budget.parse(adapter.config.budget))] if adapter.config.budget is not None else []
-        chosen = budgets or own
-        if not chosen:
-            raise ZoomKVError(f"adapter {source!r} records no budget: give --budgets")
-        method = adapter.make_method()
-        for b in chosen:
-            parsed = Budget.parse(b)
-            if parsed is not None and parsed.rows is not None:
-                method.check_budget(parsed.rows)  # an impossible budget fails now, not after a prefill
-            runs.append(RunSpec(label, b, {}, "", adapter))
-    return runs
-
-
-# Runtime options any method label can carry: "+tail" (softmax-tail row, recallable methods), "+int8"/"+int4"
-# (KV quantization of the host tier; of the device tier for full, which has no host tier).
-VARIANTS = ("tail", "int8", "int4")
-
-
-def trailing_variants(label: str) -> tuple[str, list[str]]:
-    """``"DIR+int8"`` → ``("DIR", ["int8"])``: the known variants at the end of an adapter's folder or Hub id
-    (or of its row label), so a folder whose own name holds a ``+`` keeps it."""
-    base, variants = label, []
-    while "+" in base and base.rsplit("+", 1)[1] in VARIANTS:
-        base, v = base.rsplit("+", 1)
-        variants.insert(0, v)
-    return base, variants
-
-
-def split_variants(label: str) -> tuple[str, dict[str, Any]]:
-    base, *variants = label.split("+")
-    for v in variants:
-        if v not in VARIANTS:
-            raise ZoomKVError(f"unknown method variant '+{v}' in {label!r}; valid: {', '.join('+' + x for x in VARIANTS)}")
-    return base, variant_options(base, variants)
-
-
-def variant_options(base: str, variants: list[str]) -> dict[str, Any]:
-    """The ``MethodRun`` options of known variants (``tail``, ``int8``, ``int4``) of method ``base``."""
-    options: dict[str, Any] = {}
-    for v in variants:
-        if v == "tail":
-            options["tail_summary"] = True
-        else:
-            options["kv_quant"] = v
-            options["kv_quant_tiers"] = "all" if base == "full" else "host"
-    return options
-
-
 @dataclass
 class Prepared:
     runs: list[RunSpec]
@@ -161,38 +80,12 @@ class Prepared:
     groups: list[tuple[str, int, float | None, int]]  # task, length, grid depth, number of samples
 
 
-def _args_text(kwargs: dict[str, Any]) -> str:
-    return ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(kwargs.items()))
-
-
 def method_runs(cfg: EvalConfig) -> list[RunSpec]:
-    """``full`` (the reference, always first) plus every other method at every budget."""
-    from zoomkv.methods import get_method
-
-    methods = ["full"] + [m for m in dict.fromkeys(cfg.methods) if m != "full"]
-    unknown = sorted(set(cfg.method_args) - set(methods))
-    if unknown:
-        raise ZoomKVError(f"--method-args names method(s) {', '.join(unknown)} that are not in --methods")
-    budgets = [str(Budget.parse(b)) for b in dict.fromkeys(cfg.budgets)]
-    runs = []
-    adapters = adapter_runs(cfg, budgets) if cfg.adapters else []
-    for name in methods:
-        kwargs = cfg.method_args.get(name, {})
-        base, options = split_variants(name)
-        method = get_method(base, **kwargs)  # unknown names and hyper-parameters fail here
-        if options.get("tail_summary") and not method.recallable:
-            raise ZoomKVError(f"'+tail' needs a recallable method; {base!r} is not one")
-        if not method.uses_budget:
-            runs.append(RunSpec(name, None, kwargs, _args_text(kwargs)))
-            continue
-        if not budgets:
-            raise ZoomKVError(f"method {name!r} needs a budget: give --budgets, e.g. --budgets 128,512")
-        for b in budgets:
-            parsed = Budget.parse(b)
-            if parsed is not None and parsed.rows is not None:
-                method.check_budget(parsed.rows)
-            runs.append(RunSpec(name, b, kwargs, _args_text(kwargs)))
-    return runs + adapters
+    """``full`` (the reference, always first), every method at every budget, then every adapter: the run
+    grammar of every command (``zoomkv.runspec``), parsed once."""
+    return parse_runs(cfg.methods, cfg.adapters, cfg.budgets, method_args=cfg.method_args,
+                      tail_summary=cfg.tail_summary, kv_quant=cfg.kv_quant, kv_quant_tiers=cfg.kv_quant_tiers,
+                      prefill_chunk=cfg.prefill_chunk, reference=True)
 
 
 def prepare(cfg: EvalConfig) -> Prepared:
@@ -258,7 +151,7 @@ def _row(sample: Sample, prompt_tokens: int, b: int, run: RunSpec, result: Gener
     scored = prediction.lstrip("\n").split("\n")[0] if sample.first_line else prediction
     mem = result.memory
     return {
-        "method": run.method, "method_args": run.args, "budget": run.budget, "budget_rows": mem.budget,
+        "method": run.label, "method_args": run.args, "budget": run.budget, "budget_rows": mem.budget,
         "task": sample.task, "length": sample.length,
         "depth": None if sample.depth is None else round(sample.depth, 4), "sample": sample.index,
         "score": round(score(sample.metric, scored, sample.answers, sample.all_classes), 4), "metric": sample.metric,
@@ -282,8 +175,8 @@ def _turn_rows(model: Any, tokenizer: Any, samples: list[Sample], texts: list[st
         lengths = [cfg.max_new_tokens or s.max_new_tokens] + [cfg.max_new_tokens or t.max_new_tokens
                                                               for t in s.follow_ups]
         per_run = generate_turns(model, tokenizer, texts[b], [t.question + t.answer_prefix for t in s.follow_ups],
-                                 [r.to_method_run() for r in runs], max_new_tokens=lengths,
-                                 context=None if contexts is None else contexts[b], prefill_chunk=cfg.prefill_chunk)
+                                 [r.cache for r in runs], max_new_tokens=lengths,
+                                 context=None if contexts is None else contexts[b])
         for run, results in zip(runs, per_run, strict=True):
             for turn, result in enumerate(results, start=1):
                 asked = s if turn == 1 else dataclasses.replace(s, answers=s.follow_ups[turn - 2].answers)
@@ -297,7 +190,7 @@ def _turn_rows(model: Any, tokenizer: Any, samples: list[Sample], texts: list[st
 
 
 def _probe_row(task: str, length: int, depth: float | None, index: int, run: RunSpec) -> dict[str, Any]:
-    return {"task": row_task(task), "length": length, "depth": depth, "sample": index, "method": run.method,
+    return {"task": row_task(task), "length": length, "depth": depth, "sample": index, "method": run.label,
             "method_args": run.args, "budget": run.budget}
 
 
@@ -305,7 +198,7 @@ def _warm_up(model: Any, tokenizer: Any, runs: list[RunSpec]) -> None:
     """One short run per configuration, so one-time initialisation is not timed as decoding."""
     prompt = "The grass is green. The sky is blue. " * 12
     with contextlib.suppress(Exception):  # only timing depends on it; real errors surface in the run
-        generate_methods(model, tokenizer, [prompt], [r.to_method_run() for r in runs], max_new_tokens=2, chat=False)
+        generate_methods(model, tokenizer, [prompt], [r.cache for r in runs], max_new_tokens=2, chat=False)
 
 
 def release_freed_memory() -> None:
@@ -335,9 +228,9 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     model_max = context_limit(model)
     check_lengths(cfg, model_max, cfg.model)
     for run in prep.runs:
-        Budget.parse(run.budget, max_rows=model_max)
-        if run.adapter is not None:
-            run.adapter.attach(model)  # refuses another base model, naming both fingerprints
+        run.cache.check_model(model)  # a budget over the model's context: now, not in the warm-up
+    for adapter in {id(r.adapter): r.adapter for r in prep.runs if r.adapter is not None}.values():
+        adapter.attach(model)  # refuses another base model, naming both fingerprints
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
@@ -380,9 +273,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
                 store.append(_turn_rows(model, tokenizer, samples, texts, contexts, missing, cfg, fmt))
                 bar.update(1)
                 continue
-            results = generate_methods(model, tokenizer, texts, [r.to_method_run() for r in missing],
-                                       max_new_tokens=new, chat=False, contexts=contexts,
-                                       prefill_chunk=cfg.prefill_chunk, diagnose=cfg.diagnose,
+            results = generate_methods(model, tokenizer, texts, [r.cache for r in missing],
+                                       max_new_tokens=new, chat=False, contexts=contexts, diagnose=cfg.diagnose,
                                        focus=[list(s.answers) for s in samples])
             counts = [fmt.count(t) for t in texts]
             rows = [_row(s, counts[b], b, run, res, len(samples), cfg, fmt)
@@ -404,6 +296,5 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
         per_cell = Counter((r["method"], r["budget"], r["task"], r["length"]) for r in store.rows)
         header["samples"] = ",".join(map(str, sorted(set(per_cell.values())))) or None
         header["lengths"] = ",".join(map(str, sorted({r["length"] for r in store.rows}))) or None
-    labels = cfg.methods + [r.method for r in prep.runs if r.adapter is not None]
-    write_outputs(store.rows, store.out, header, list(dict.fromkeys(labels)), plots=cfg.plots)
+    write_outputs(store.rows, store.out, header, list(dict.fromkeys(r.label for r in prep.runs)), plots=cfg.plots)
     return store.rows

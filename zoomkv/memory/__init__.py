@@ -1,4 +1,5 @@
 from zoomkv.memory.cache import LayerReport, MemoryReport, ZoomCache, attach
 from zoomkv.memory.layer import LayerMemory
+from zoomkv.memory.spec import CacheSpec
 
-__all__ = ["ZoomCache", "LayerMemory", "MemoryReport", "LayerReport", "attach"]
+__all__ = ["ZoomCache", "CacheSpec", "LayerMemory", "MemoryReport", "LayerReport", "attach"]

@@ -212,8 +212,8 @@ def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
     """Hand a prefilled layer to its method (live, after surprisal, or replayed from a record)."""
     budget = ctx.budget
     if cache.tail_summary:
-        # The tail row is one of the B device rows: the method gets B - 1 for everything else.
-        ctx = dataclasses.replace(ctx, budget=None if budget is None else budget - 1)
+        # The tail row is one of the B device rows: the method gets the rest (CacheSpec.method_budget).
+        ctx = dataclasses.replace(ctx, budget=cache.spec.method_budget(budget))
         init_tail(memory, ctx)
     if cache.probe is not None:
         cache.probe.prefill(memory.layer_idx, ctx.keys, ctx.valid)
@@ -223,7 +223,7 @@ def compress_layer(cache: Any, memory: Any, ctx: PrefillContext) -> None:
 
 
 def _check_budget(cache: Any, memory: Any, budget: int | None) -> None:
-    rows = cache.method.device_rows(memory) + (1 if cache.tail_summary else 0)
+    rows = cache.method.device_rows(memory) + cache.spec.tail_rows
     memory.max_device_rows = max(memory.max_device_rows, rows)
     note_peak(memory, 0, 0)
     method, n = cache.method, cache.num_layers_total

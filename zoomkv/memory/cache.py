@@ -20,15 +20,15 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from zoomkv import compat
 from zoomkv.budget import Budget
-from zoomkv.errors import BudgetError, ConfigError, ZoomKVError
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory import speculation
 from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
 from zoomkv.memory.diagnostics import SelectionProbe
 from zoomkv.memory.layer import LayerMemory
 from zoomkv.memory.quant import QuantSpec
+from zoomkv.memory.spec import CacheSpec
 from zoomkv.memory.surprisal import token_surprisal
 from zoomkv.protocol.method import KVMethod
-from zoomkv.protocol.registry import get_method
 
 
 @dataclass
@@ -105,54 +105,30 @@ def _mib(n: int) -> str:
 
 
 class ZoomCache(Cache):
+    """``ZoomCache(model, spec)`` with a ``CacheSpec``, or ``ZoomCache(model, "quest", 256, kv_quant="int8", ...)``:
+    the same keywords as ``CacheSpec.build``, which makes the spec."""
+
     def __init__(
         self,
         model_or_config: Any,
-        method: str | KVMethod = "full",
+        method: str | KVMethod | CacheSpec = "full",
         budget: str | int | float | Budget | None = None,
         *,
         tokenizer: Any = None,
-        kv_quant: str | QuantSpec | None = None,
-        kv_quant_tiers: str = "host",
-        kv_quant_group: int = 32,
-        tail_summary: bool = False,
-        prefill_chunk: int | None = None,
         diagnose: bool = False,
-        **method_kwargs: Any,
+        **options: Any,
     ):
         config = getattr(model_or_config, "config", model_or_config)
-        text = compat.text_config(config)
-        self.method = get_method(method, **method_kwargs)
-        max_len = getattr(text, "max_position_embeddings", None)
-        self.budget = Budget.parse(budget, max_rows=max_len)
-        if self.method.uses_budget and self.budget is None:
-            raise BudgetError(f"method {self.method.name!r} needs a budget (e.g. budget=256 or budget=0.1)")
-        if self.budget is not None and self.budget.rows is not None:
-            self.method.check_budget(self.budget.rows - (1 if tail_summary else 0))
+        if isinstance(method, CacheSpec):
+            if budget is not None or options:
+                raise ConfigError("a CacheSpec carries the budget and every option: give them to it, not to ZoomCache")
+            self.spec = method
+        else:
+            self.spec = CacheSpec.build(method, budget, **options)
+        self.spec.check_model(config)
+        self.method = self.spec.method
         self.budget_rows: int | None = None  # resolved at prefill
-        self.tail_summary = bool(tail_summary)  # one mean row for everything unselected (zoomkv.memory.tail)
-        if self.tail_summary and not self.method.recallable:
-            raise ConfigError(
-                f"tail_summary needs a recallable method (its rows are the sequence's own rows); "
-                f"{self.method.name!r} is not one"
-            )
-        self.kv_quant = kv_quant if isinstance(kv_quant, QuantSpec) or kv_quant is None else QuantSpec.parse(
-            kv_quant, kv_quant_tiers, kv_quant_group
-        )
-        head_dim = compat.head_dim(config)
-        if self.kv_quant is not None and head_dim % min(self.kv_quant.group_size, head_dim):
-            raise ConfigError(f"quantization group size {self.kv_quant.group_size} does not divide head_dim {head_dim}")
-        if self.kv_quant is not None and self.kv_quant.tiers == "all" and not self.method.quantizable_device:
-            raise ConfigError(
-                f"method {self.method.name!r} keeps its device tier in full precision; quantize only the host "
-                "tier (kv_quant_tiers='host'), or use a method that supports device-tier quantization (full)"
-            )
         self.tokenizer = tokenizer
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise ConfigError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
-        # Longer inputs go through in pieces of this many tokens, compressed as they go (see _prefill_in_chunks).
-        self.prefill_chunk = prefill_chunk
         # diagnose: every decode step's selection scored against full attention (zoomkv.memory.diagnostics)
         self.probe = SelectionProbe(lambda: self.budget_rows) if diagnose else None
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
@@ -197,12 +173,29 @@ class ZoomCache(Cache):
         layer = self.layers[layer_idx]
         return layer if isinstance(layer, LayerMemory) else None
 
+    @property
+    def budget(self) -> Budget | None:
+        return self.spec.budget
+
+    @property
+    def tail_summary(self) -> bool:
+        return self.spec.tail_summary
+
+    @property
+    def kv_quant(self) -> QuantSpec | None:
+        return self.spec.kv_quant
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Longer inputs go through in pieces of this many tokens, compressed as they go (_prefill_in_chunks)."""
+        return self.spec.prefill_chunk
+
     def resolve_budget(self, context_length: int) -> int | None:
         if self.budget is None:
             return None
         if self.budget_rows is None:
             self.budget_rows = self.budget.resolve(context_length)
-            self.method.check_budget(self.budget_rows - (1 if self.tail_summary else 0))
+            self.method.check_budget(self.spec.method_budget(self.budget_rows))
         return self.budget_rows
 
     def memory_report(self) -> MemoryReport:

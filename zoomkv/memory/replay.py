@@ -22,6 +22,7 @@ from zoomkv.budget import Budget
 from zoomkv.memory.attention import compress_layer, note_peak
 from zoomkv.memory.cache import ZoomCache
 from zoomkv.memory.layer import LayerMemory
+from zoomkv.memory.spec import CacheSpec
 from zoomkv.memory.surprisal import token_surprisal
 from zoomkv.protocol.method import KVMethod, PrefillContext
 
@@ -76,11 +77,12 @@ def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def cache_from_record(
-    model: Any, record: PrefillRecord, method: str | KVMethod, budget: str | int | float | Budget | None = None,
-    *, tokenizer: Any = None, **cache_kwargs: Any,
+    model: Any, record: PrefillRecord, method: CacheSpec | str | KVMethod,
+    budget: str | int | float | Budget | None = None, *, tokenizer: Any = None, **cache_kwargs: Any,
 ) -> ZoomCache:
-    """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``
-    (``cache_kwargs``: ZoomCache's keywords, e.g. ``kv_quant``, and method hyper-parameters)."""
+    """A ZoomCache in the state it would have right after prefilling ``record``'s prompt with ``method``: a
+    ``CacheSpec``, or a method with ``budget`` and ZoomCache's keywords (``cache_kwargs``: ``kv_quant``,
+    method hyper-parameters, ``diagnose``)."""
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **cache_kwargs)
     cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)

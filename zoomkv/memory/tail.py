@@ -6,7 +6,7 @@ softmax it weighs about what those rows weighed together (exactly, when they sha
 eight, and adding this row loses none. An option (``ZoomCache(..., tail_summary=True)``) for every
 recallable method: the runtime keeps running sums of all real rows on the device tier (two rows and a
 count per KV head), so the mean of the rest is ``(sum - selected) / (count - selected)`` at O(k) a step.
-The row counts against the budget: the method is given B - 1.
+The row counts against the budget: the method is given the rest (``CacheSpec.method_budget``).
 """
 
 from __future__ import annotations

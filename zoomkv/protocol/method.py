@@ -162,18 +162,22 @@ class KVMethod:
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any):
         if config is None:
-            fields = {f.name for f in dataclasses.fields(self.config_class)}
-            unknown = sorted(set(overrides) - fields)
-            if unknown:
-                raise ConfigError(
-                    f"unknown hyper-parameter(s) {unknown} for method {self.name!r}; valid: {sorted(fields)}"
-                )
-            check_hyperparameters(self.config_class, overrides, self.name)
-            config = self.config_class(**overrides)
+            config = self.make_config(**overrides)
         elif overrides:
             check_hyperparameters(type(config), overrides, self.name)
             config = dataclasses.replace(config, **overrides)
         self.config = config
+
+    @classmethod
+    def make_config(cls, **hyperparameters: Any) -> MethodConfig:
+        """The method's config with these hyper-parameters; an unknown name or a value of the wrong type fails
+        here, naming it."""
+        fields = {f.name for f in dataclasses.fields(cls.config_class)}
+        unknown = sorted(set(hyperparameters) - fields)
+        if unknown:
+            raise ConfigError(f"unknown hyper-parameter(s) {unknown} for method {cls.name!r}; valid: {sorted(fields)}")
+        check_hyperparameters(cls.config_class, hyperparameters, cls.name)
+        return cls.config_class(**hyperparameters)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

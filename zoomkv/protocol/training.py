@@ -90,6 +90,12 @@ class MethodTraining:
         """The method's settings the modules are trained for."""
         raise NotImplementedError
 
+    def with_modules(self, config: MethodConfig, modules: torch.nn.Module | None) -> KVMethod:
+        """The method with settings ``config`` running ``modules`` (None: the method's untrained start). The one
+        way a trainable method gets its modules: a loaded adapter (``ZoomAdapter.make_method``) and the
+        trainer (``make_method``) both come here."""
+        raise NotImplementedError
+
     def make_method(self, modules: torch.nn.Module | None, recipe: Any) -> KVMethod:
         """The method running ``modules`` (None: the method's untrained start), as the recipe sets it."""
-        raise NotImplementedError
+        return self.with_modules(self.method_config(recipe), modules)

@@ -423,6 +423,6 @@ class SeKVTraining(MethodTraining):
                 "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares()],
                 "gain_spread": round(float(modules.code_gain.detach().std()), 4)}
 
-    def make_method(self, modules: SeKVAdapter | None, recipe: Any) -> SeKV:
-        return SeKV(adapter=modules, **self._method_kwargs(recipe))
+    def with_modules(self, config: SeKVConfig, modules: SeKVAdapter | None) -> SeKV:
+        return SeKV(config, adapter=modules)
 

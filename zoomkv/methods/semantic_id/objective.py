@@ -268,11 +268,8 @@ class SemanticIDTraining(MethodTraining):
     def report(self, modules: SemanticProjector | InputCorrection, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
         return pair_metrics(modules, samples, recipe)
 
-    def make_method(self, modules: SemanticProjector | InputCorrection | None, recipe: Any) -> SemanticID:
-        mcfg = method_config(recipe)
-        settings = {k: getattr(mcfg, k) for k in METHOD_KEYS}
-        if isinstance(modules, SemanticProjector):
-            settings |= {"sem_dim": modules.sem_dim, "hidden": modules.hidden}
-        method = SemanticID(**settings)
+    def with_modules(self, config: SemanticIDConfig,
+                     modules: SemanticProjector | InputCorrection | None) -> SemanticID:
+        method = SemanticID(config)
         method.attach_adapter(modules)  # None: the per-sequence PCA start the method uses untrained
         return method

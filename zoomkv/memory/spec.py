@@ -1,0 +1,114 @@
+"""``CacheSpec``: everything a ``ZoomCache`` runs with, checked once, before any model or prompt is touched.
+
+    spec = CacheSpec.build("quest", "0.1", tail_summary=True, kv_quant="int8", page_size=8)
+    cache = ZoomCache(model, spec)
+
+A spec holds the method object itself (built once, with its hyper-parameters and, for a trained method,
+its modules), the parsed ``Budget``, the softmax-tail switch, the KV quantization and the prefill chunk.
+A method object keeps no per-sequence state (that lives in each layer's ``LayerMemory``), so one spec
+serves every cache of a run: every prompt of an evaluation, every repeat of a benchmark.
+
+The command line reaches a spec through ``zoomkv.runspec`` (one grammar for every command);
+``CacheSpec.build`` is the Python edge, where a budget may still be text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zoomkv import compat
+from zoomkv.budget import Budget
+from zoomkv.errors import BudgetError, ConfigError
+from zoomkv.memory.quant import QuantSpec
+from zoomkv.protocol.method import KVMethod
+from zoomkv.protocol.registry import get_method
+
+TAIL_ROWS = 1  # the softmax tail's row per KV head (zoomkv.memory.tail): one of the budget's B rows
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    method: KVMethod
+    budget: Budget | None = None  # device rows per layer per KV head; None: the method needs none (full)
+    tail_summary: bool = False  # one mean row for everything a step did not select (zoomkv.memory.tail)
+    kv_quant: QuantSpec | None = None  # int8/int4 rows in the host tier (every tier with tiers="all")
+    prefill_chunk: int | None = None  # longer inputs go through in pieces of this many tokens
+
+    def __post_init__(self) -> None:
+        method = self.method
+        if not isinstance(method, KVMethod):
+            raise ConfigError(f"a CacheSpec takes a built method (get_method(name)), not {method!r}")
+        if method.uses_budget and self.budget is None:
+            raise BudgetError(f"method {method.name!r} needs a budget (e.g. --budget 256 or --budget 0.1)")
+        if self.tail_summary and not method.recallable:
+            raise ConfigError(f"the softmax tail (tail_summary: +tail, --tail-summary) needs a recallable method (its "
+                              f"row is the mean of the sequence's own rows); {method.name!r} is not one")
+        if self.budget is not None and self.budget.rows is not None:
+            method.check_budget(self.method_budget(self.budget.rows))  # an impossible budget fails now
+        quant = self.kv_quant
+        if quant is not None and quant.tiers == "all" and not method.quantizable_device:
+            raise ConfigError(
+                f"method {method.name!r} keeps its device tier in full precision: --kv-quant-tiers all "
+                "(kv_quant_tiers='all') is for a method that can quantize it (full); its +int8 / +int4 quantize "
+                "the host tier")
+        if quant is not None and quant.tiers == "host" and not method.uses_budget:
+            raise ConfigError(f"method {method.name!r} holds every row on the device tier: quantizing only the host "
+                              "tier would quantize nothing (by default +int8/+int4 quantize its device tier)")
+        chunk = self.prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"prefill_chunk must be a positive number of tokens, got {chunk!r}")
+
+    @classmethod
+    def build(cls, method: str | KVMethod = "full", budget: str | int | float | Budget | None = None, *,
+              tail_summary: bool = False, kv_quant: str | QuantSpec | None = None,
+              kv_quant_tiers: str | None = None, kv_quant_group: int = 32, prefill_chunk: int | None = None,
+              **method_kwargs: Any) -> CacheSpec:
+        """A spec from Python values: a method name (with ``method_kwargs``, its hyper-parameters) or a built
+        method, a budget as rows, a fraction or text, ``kv_quant`` as ``"int8"``/``"int4"``.
+        ``kv_quant_tiers`` None: what a ``+int8`` variant means, the host tier, or the device tier of a
+        method that keeps none (``full``)."""
+        if isinstance(method, KVMethod) and method_kwargs:
+            raise ConfigError(f"hyper-parameters {sorted(method_kwargs)} for an already built {method.name!r}: "
+                              "give them to get_method (or ZoomAdapter.make_method)")
+        built = get_method(method, **method_kwargs)
+        quant = quant_spec(built, kv_quant, kv_quant_tiers, kv_quant_group)
+        return cls(built, Budget.parse(budget), bool(tail_summary), quant, prefill_chunk)
+
+    def method_budget(self, rows: int | None) -> int | None:
+        """The rows the method itself may hold of ``rows``: all of them, less the tail's row when there is one."""
+        if rows is None:
+            return None
+        return rows - self.tail_rows
+
+    @property
+    def tail_rows(self) -> int:
+        """Device rows per KV head the runtime adds to the method's own: the tail's, when switched on."""
+        return TAIL_ROWS if self.tail_summary else 0
+
+    def check_model(self, model_or_config: Any) -> None:
+        """What only the model can tell: a row budget over its longest context, a quantization group that
+        does not divide its head size."""
+        config = getattr(model_or_config, "config", model_or_config)
+        max_len = getattr(compat.text_config(config), "max_position_embeddings", None)
+        if self.budget is not None:
+            self.budget.check_fits(max_len)
+        head_dim = compat.head_dim(config)
+        if self.kv_quant is not None and head_dim % min(self.kv_quant.group_size, head_dim):
+            raise ConfigError(f"quantization group size {self.kv_quant.group_size} does not divide head_dim {head_dim}")
+
+    @property
+    def label(self) -> str:
+        """The method and its variants as the command line writes them: ``quest+tail+int8``."""
+        quant = f"+int{self.kv_quant.bits}" if self.kv_quant is not None else ""
+        return self.method.name + ("+tail" if self.tail_summary else "") + quant
+
+
+def quant_spec(method: KVMethod, kv_quant: str | QuantSpec | None, tiers: str | None = None,
+               group_size: int = 32) -> QuantSpec | None:
+    """``"int8"`` / ``"int4"`` / None for ``method``. ``tiers`` None: where ``+int8`` / ``+int4`` quantize, the
+    host tier, which holds what a method keeps off the device; a method without a budget (``full``) holds every
+    row on the device, so there its device tier (``"all"``)."""
+    if kv_quant is None or isinstance(kv_quant, QuantSpec):
+        return kv_quant
+    return QuantSpec.parse(kv_quant, tiers or ("host" if method.uses_budget else "all"), group_size)
