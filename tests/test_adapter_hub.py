@@ -213,7 +213,7 @@ def test_cli_push_and_missing_repo(tmp_path, fake_hub, probe_method, llama, caps
     hub, endpoint = fake_hub
     folder = fresh_adapter(llama[0]).save_pretrained(tmp_path / "checkpoints" / "probe")
     assert main(["push", str(folder), "--repo-id", "bob/probe", "--endpoint", endpoint]) == 0
-    assert "bob/probe" in capsys.readouterr().out
+    assert "bob/probe" in capsys.readouterr().err  # a log line: stdout carries command output only
     assert sorted(hub.repos["bob/probe"][hub.heads["bob/probe"]]) == ["README.md", CONFIG_NAME, WEIGHTS_NAME]
     with pytest.raises(AdapterNotFoundError, match="no such Hub repository"):
         ZoomAdapter.from_pretrained("bob/does-not-exist")

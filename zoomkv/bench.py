@@ -12,8 +12,8 @@ Every speed claim in BENCHMARKS.md is this command's output.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -22,14 +22,16 @@ from zoomkv.errors import ZoomKVError
 from zoomkv.generation import GenerationResult, generate_text
 from zoomkv.runspec import REFERENCE, RunSpec, with_prefill_chunk
 
+log = logging.getLogger(__name__)
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
 def _progress(t0: float, message: str) -> None:
-    """One line on stderr per stage (stdout stays the table or the JSON), so a slow stage shows itself."""
-    print(f"[bench {time.perf_counter() - t0:7.1f}s] {message}", file=sys.stderr, flush=True)
+    """One log line per stage (stdout stays the table or the JSON), so a slow stage shows itself."""
+    log.info("[bench %7.1fs] %s", time.perf_counter() - t0, message)
 
 
 def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:

@@ -18,7 +18,9 @@ import typing
 from collections.abc import Callable
 from types import ModuleType
 
+from zoomkv.cli_args import add_loudness
 from zoomkv.errors import ZoomKVError
+from zoomkv.logs import show_on_console, verbosity
 
 # (name, module, help), in the order `zoomkv --help` lists them.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -69,12 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  **_help_parts(module, help_text))
         module.add_arguments(command)
+        add_loudness(command)
         command.set_defaults(func=module.run)
     return parser
 
 
 def _run(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """The one error path: input errors are one line on stderr and exit status 2, never a traceback."""
+    """The one error path: input errors are one line on stderr and exit status 2, never a traceback. The
+    command's log goes to stderr at the level ``--quiet`` / ``-v`` ask for (``zoomkv.logs``)."""
+    show_on_console(verbosity(getattr(args, "quiet", False), getattr(args, "verbose", False)))
     try:
         return run(args)
     except ZoomKVError as err:
@@ -116,6 +121,7 @@ def run_command(name: str, argv: list[str] | None = None, *, prog: str) -> int:
     module, help_text = _command(name)
     parser = Parser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **_help_parts(module, help_text))
     module.add_arguments(parser)
+    add_loudness(parser)
     args = _parse(parser, argv)
     return _run(parser.prog, module.run, args)
 

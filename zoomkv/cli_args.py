@@ -18,8 +18,23 @@ from typing import Any
 
 from zoomkv.errors import ZoomKVError
 
-__all__ = ["add_run_arguments", "int_option", "parse_method_args", "parse_run_method_args",
+__all__ = ["add_loudness", "add_run_arguments", "int_option", "parse_method_args", "parse_run_method_args",
            "parse_scoped_method_args", "parse_value", "run_from_args", "runs_from_args"]
+
+
+def add_loudness(parser: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` (warnings only, no progress bars) and ``-v/--verbose`` (debug lines too) on a command's
+    parser, each unless the command defines it already. A parser with subcommands of its own gets them on
+    each subcommand instead (argparse lets a subcommand's defaults overwrite what its parent parsed)."""
+    if parser._subparsers is not None:
+        return
+    taken = parser._option_string_actions
+    if "--quiet" not in taken:
+        parser.add_argument(*(["-q"] if "-q" not in taken else []), "--quiet", action="store_true",
+                            help="warnings only, no progress bars")
+    if "--verbose" not in taken:
+        parser.add_argument(*(["-v"] if "-v" not in taken else []), "--verbose", action="store_true",
+                            help="debug lines too")
 
 
 def int_option(low: int | None = None, high: int | None = None) -> Callable[[str], int]:

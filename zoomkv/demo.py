@@ -11,12 +11,16 @@ About 8 minutes on a 2-core CPU the first time (training included: ~6), 2 minute
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
 
 from zoomkv.errors import ZoomKVError
+from zoomkv.logs import show_on_console
 from zoomkv.models import DEFAULT_MODEL
+
+log = logging.getLogger("zoomkv.demo")  # not __main__: `python -m zoomkv.demo` logs under zoomkv too
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m" / "quickstart.yaml"
 OUT = Path("runs/demo")
@@ -35,9 +39,9 @@ def _adapter() -> Path:
     cfg = load_recipe(RECIPE)
     adapter = cfg.run_dir / "adapter"
     if (adapter / "adapter_config.json").is_file():
-        print(f"using the trained adapter in {adapter} (delete it to train again)")
+        log.info("using the trained adapter in %s (delete it to train again)", adapter)
         return adapter
-    print(f"training the quickstart sekv adapter ({RECIPE.name}), ~6 minutes on a 2-core CPU")
+    log.info("training the quickstart sekv adapter (%s), ~6 minutes on a 2-core CPU", RECIPE.name)
     return train(cfg)
 
 
@@ -45,13 +49,14 @@ def main() -> int:
     from zoomkv.eval.harness import EvalConfig, run_eval
     from zoomkv.models import load_model
 
+    show_on_console()
     t0 = time.perf_counter()
     try:
-        print(f"loading {DEFAULT_MODEL} (the first run converts the GGUF once, 20-80 s)")
+        log.info("loading %s (the first run converts the GGUF once, 20-80 s)", DEFAULT_MODEL)
         model, tokenizer = load_model(DEFAULT_MODEL)
         adapter = _adapter()
-        print(f"\nevaluating full, {', '.join(BASELINES)} and the adapter at budget {BUDGET} on "
-              f"{', '.join(TASKS)} at ~2K tokens (2 samples each), each context compressed before its question\n")
+        log.info("evaluating full, %s and the adapter at budget %s on %s at ~2K tokens (2 samples each), each "
+                 "context compressed before its question", ", ".join(BASELINES), BUDGET, ", ".join(TASKS))
         cfg = EvalConfig(model=DEFAULT_MODEL, out=OUT, methods=["full", *BASELINES], budgets=[BUDGET], tasks=TASKS,
                          lengths=[2048], samples=2, adapters=[str(adapter)],
                          overwrite=True,  # the table is this run's: no rows of an earlier adapter or code

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from zoomkv import compat
 from zoomkv.errors import ZoomKVError
 
+log = logging.getLogger(__name__)
 HELP = "find CompressKV's semantic retrieval heads and per-layer eviction error (passkey decoding)"
 ATTENTION_NAME = "zoomkv_calibrate"
 _state = threading.local()
@@ -73,14 +75,17 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, model_name=args.model, samples=args.samples, length=args.length,
         top_heads=args.top_heads, error_budget=args.error_budget, window=args.window,
         kernel_size=args.kernel_size, answer_tokens=args.answer_tokens, accept_all=args.accept_all, chat=args.chat,
+        progress=False if getattr(args, "quiet", False) else None,
     )
     path = Path(args.out) if args.out else default_profile_path(args.model)
     save_profile(profile, path)
     used, total = profile["used"], profile["samples"]
-    print(f"compresskv profile for {args.model}: {used}/{total} samples used, written to {path}")
+    # the profile itself is the command's output (stdout); where it went is a log line
+    print(f"compresskv profile for {args.model} ({used}/{total} samples used):")
     for layer, (heads, err) in enumerate(zip(profile["heads"], profile["layer_error"], strict=True)):
         if heads:
             print(f"  layer {layer:3d}: heads {heads}  eviction error {err:.4f}")
+    log.info("wrote %s", path)
     return 0
 
 

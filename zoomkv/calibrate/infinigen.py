@@ -12,6 +12,7 @@ prose that needs no download. ``--text-file`` takes any other text.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from zoomkv.errors import ZoomKVError
 from zoomkv.methods.infinigen_profile import PROFILE_FILE, save_profile, skew_and_channels
 
 HELP = "InfiniGen: per-layer SVD skew of post-RoPE queries and the top fifth of the skewed channels"
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         raise ZoomKVError(f"--tokens {args.tokens} is over {args.model}'s maximum context of {context_limit(model)}")
     ids = calibration_ids(tokenizer, text, args.tokens).to(model.device)
     if ids.shape[1] < args.tokens:
-        print(f"note: the calibration text has only {ids.shape[1]} tokens")
+        log.warning("the calibration text has only %d tokens (asked for %d)", ids.shape[1], args.tokens)
     with torch.inference_mode():
         out = build_profile(model, ids, args.model, args.partial_ratio,
-                            Path(args.output) if args.output else None)
-    print(f"wrote {out} ({ids.shape[1]} tokens, {time.perf_counter() - start:.1f} s)")
+                            Path(args.output) if args.output else None,
+                            progress=False if getattr(args, "quiet", False) else None)
+    log.info("wrote %s (%d tokens, %.1f s)", out, ids.shape[1], time.perf_counter() - start)
     return 0

@@ -14,11 +14,13 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from zoomkv.calibrate import profile_modules
+    from zoomkv.cli_args import add_loudness
 
     profiles = parser.add_subparsers(dest="profile", required=True)
     for name, module in profile_modules().items():
         p = profiles.add_parser(name, help=module.HELP)
         module.add_arguments(p)
+        add_loudness(p)
         p.set_defaults(run_profile=module.run)
 
 

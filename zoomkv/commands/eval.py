@@ -22,12 +22,15 @@ shipped King James Bible, by default); the others in RULER's noise sentences. Ea
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 from typing import Any
 
 from zoomkv.cli_args import add_run_arguments, int_option, parse_run_method_args
 from zoomkv.data.files import FORMATS as DATA_FORMATS
 from zoomkv.errors import ZoomKVError
+
+log = logging.getLogger(__name__)
 
 
 def _split(text: str | None) -> list[str]:
@@ -90,7 +93,7 @@ def command_line(args: argparse.Namespace) -> str:
     keep = REPORT_KEYS if args.report_only else None
     parts = ["zoomkv", "eval"]
     for key, value in vars(args).items():
-        if key in ("func", "command", "list_tasks", "overwrite", "quiet") or value in (None, False, [], ""):
+        if key in ("func", "command", "list_tasks", "overwrite", "quiet", "verbose") or value in (None, False, [], ""):
             continue
         if keep is not None and key not in keep:
             continue
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(cfg.out)
     print((out / "summary.md").read_text(encoding="utf-8"))
-    print(f"{len(rows)} rows; wrote {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))} in {out}")
+    log.info("%d rows; wrote %s in %s", len(rows), ", ".join(sorted(p.name for p in out.iterdir() if p.is_file())), out)
     return 0
 
 
@@ -167,5 +170,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: write the summary and plots of the rows already in --out (several runs' "
                              "rows.jsonl put together in one folder, say)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     parser.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("checkpoints") / checkpoint.resolve().name
     folder = export_checkpoint(checkpoint, out, scores=scores, budget=_budget(args.budget), overwrite=args.overwrite,
                                license=args.license)
-    print(f"exported adapter to {folder}")
+    log.info("exported adapter to %s", folder)
     return 0

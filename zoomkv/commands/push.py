@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,5 +28,5 @@ def run(args: argparse.Namespace) -> int:
     ZoomAdapter.from_pretrained(args.folder)  # never upload something that does not load
     url = push_folder(args.folder, args.repo_id, private=args.private or None, token=args.token,
                       revision=args.revision, commit_message=args.message, endpoint=args.endpoint)
-    print(f"pushed {args.folder} to {args.repo_id}: {url}")
+    log.info("pushed %s to %s: %s", args.folder, args.repo_id, url)
     return 0
