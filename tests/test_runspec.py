@@ -145,7 +145,7 @@ def test_one_run_commands_refuse_an_adapter_with_a_method_and_lists(tmp_path, ca
 def test_an_adapters_spec_carries_its_method_modules_and_budget(saved):
     adapter, folder = saved
     run = parse_run(adapter=f"{folder}+int8", method_args={"*": {"code_bits": 2}})
-    assert run.label == f"{adapter_label(run.adapter, str(folder))}+int8"
+    assert run.label == f"{adapter_label(adapter, str(folder))}+int8"
     assert run.budget == "64" and run.cache.kv_quant.tiers == "host" and run.args == "code_bits=2"
     assert run.cache.method.config.code_bits == 2
     torch.testing.assert_close(run.cache.method.adapter.code_gain, adapter.modules.code_gain)
@@ -207,3 +207,18 @@ def test_parse_runs_orders_the_reference_methods_then_adapters(saved):
         ("full", None), ("quest", "32"), ("quest", "0.5"), ("oracle_topk+tail", "32"), ("oracle_topk+tail", "0.5"),
         ("sekv", "32"), ("sekv", "0.5")]
     assert runs[1].cache.method is runs[2].cache.method  # one method object per configuration, every budget
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_an_adapter_of_another_base_model_is_refused_by_its_cache(tmp_path, capsys, command):
+    """The base-model check travels in the spec (CacheSpec.trained): no command attaches the adapter itself."""
+    from zoomkv.models import load_model
+
+    qwen, _ = load_model("tiny-qwen2")
+    folder = ZoomAdapter.initialise(qwen, "sekv", {"max_trainable_fraction": 0.01}, budget=64,
+                                    name="tiny-qwen2").save_pretrained(tmp_path / "qwen-adapter")
+    tail = ["--prompt", "hello " * 40] if command == "generate" else ["--length", "96", "--repeats", "1",
+                                                                      "--no-warmup", "--methods", "full"]
+    code = _main([command, "--model", "tiny-llama", "--adapter", str(folder), *tail])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[bench")]
+    assert code == 2 and len(err) == 1 and "tiny-qwen2" in err[0] and "differ in" in err[0], err

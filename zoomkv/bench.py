@@ -50,9 +50,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         raise ZoomKVError(f"--length {args.length} plus --new-tokens {args.new_tokens} is over {args.model}'s maximum "
                           f"context of {context_limit(model)} tokens")
     for run in runs:
-        run.cache.check_model(model)
-    for adapter in {id(r.adapter): r.adapter for r in runs if r.adapter is not None}.values():
-        adapter.attach(model)  # refuses another base model, naming both fingerprints
+        run.cache.check_model(model)  # another base model than an adapter's, a budget over the model's context
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     # One prompt per sequence of the batch: the same length, each with its own pass key.
     prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]

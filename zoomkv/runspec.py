@@ -32,7 +32,7 @@ from typing import Any
 
 from zoomkv.budget import Budget
 from zoomkv.errors import ZoomKVError
-from zoomkv.memory.spec import CacheSpec, quant_spec
+from zoomkv.memory.spec import CacheSpec, TrainedModules, quant_spec
 from zoomkv.protocol.method import KVMethod
 from zoomkv.protocol.registry import get_method
 
@@ -45,12 +45,12 @@ REFERENCE = "full"  # eval's and bench's reference run
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One configuration a command runs: what its rows and tables call it, and the cache it runs."""
+    """One configuration a command runs: what its rows and tables call it, and the cache it runs (an adapter's
+    modules and base model in ``cache.trained``)."""
 
     label: str  # "quest+tail", "sekv+int8", an adapter's "sekv:my-run@1a2b3c4d+int8"
     cache: CacheSpec
     args: str = ""  # the hyper-parameters given on the command line, as text (part of an eval row's identity)
-    adapter: Any = None  # the ZoomAdapter whose modules the method runs: attach it to the model once loaded
 
     @property
     def budget(self) -> str | None:
@@ -138,7 +138,8 @@ def parse_runs(methods: Sequence[str] = (), adapters: Sequence[str] = (), budget
         chosen = parsed or _budgets([adapter.config.budget] if adapter.config.budget is not None else [])
         if not chosen:
             raise ZoomKVError(f"adapter {source!r} records no budget: give --budget")
-        runs += [RunSpec(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk), args_text(kwargs), adapter)
+        trained = TrainedModules(adapter.modules, adapter.config.base_model)
+        runs += [RunSpec(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk, trained), args_text(kwargs))
                  for b in chosen]
     return runs
 
@@ -198,9 +199,9 @@ def _with_flags(label: str, variants: list[str], flags: list[str]) -> tuple[str,
 
 
 def _cache(method: KVMethod, budget: Budget | None, variants: list[str], tiers: str | None,
-           prefill_chunk: int | None) -> CacheSpec:
+           prefill_chunk: int | None, trained: TrainedModules | None = None) -> CacheSpec:
     quant = next((v for v in variants if v in QUANT_VARIANTS), None)
-    return CacheSpec(method, budget, "tail" in variants, quant_spec(method, quant, tiers), prefill_chunk)
+    return CacheSpec(method, budget, "tail" in variants, quant_spec(method, quant, tiers), prefill_chunk, trained)
 
 
 def with_prefill_chunk(run: RunSpec, chunk: int | None) -> RunSpec:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+# AdapterError and BaseModelMismatchError live in zoomkv.errors: a cache refuses the wrong base model too
+from zoomkv.errors import AdapterError, BaseModelMismatchError, ConfigError
 
-from zoomkv.errors import ConfigError, ZoomKVError
-
-
-class AdapterError(ZoomKVError):
-    """Base class of every error about an adapter folder, its files or where it is loaded."""
+__all__ = ["AdapterError", "BaseModelMismatchError", "AdapterNotFoundError", "AdapterOfflineError",
+           "AdapterConfigError", "AdapterVersionError", "AdapterWeightsError", "AdapterKeysError",
+           "AdapterShapeError", "AdapterExistsError"]
 
 
 class AdapterNotFoundError(AdapterError):
@@ -41,17 +40,3 @@ class AdapterShapeError(AdapterWeightsError):
 
 class AdapterExistsError(AdapterError):
     """The export target already exists (pass overwrite=True / --overwrite to replace it)."""
-
-
-class BaseModelMismatchError(AdapterError):
-    """The adapter was trained for another base model. The message names both and the differing fields."""
-
-    def __init__(self, expected: dict[str, Any], actual: dict[str, Any], differing: list[str]):
-        self.expected = expected
-        self.actual = actual
-        self.differing = differing
-        fields = ", ".join(f"{k}: adapter {expected.get(k)!r} vs model {actual.get(k)!r}" for k in differing)
-        super().__init__(
-            f"adapter was trained for base model {expected.get('name')!r} but the model is "
-            f"{actual.get('name')!r}; they differ in {fields}"
-        )

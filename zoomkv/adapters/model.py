@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from zoomkv.adapters.config import (
     WEIGHTS_NAME,
     ZoomAdapterConfig,
 )
-from zoomkv.adapters.errors import AdapterConfigError, BaseModelMismatchError
+from zoomkv.adapters.errors import AdapterConfigError
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.hub import push_folder, resolve_adapter
 from zoomkv.adapters.weights import (
@@ -42,9 +41,13 @@ from zoomkv.adapters.weights import (
 )
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.cache import ZoomCache, attach
-from zoomkv.models.registry import same_base_name
 from zoomkv.protocol.registry import METHODS, get_training
-from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, base_fingerprint
+from zoomkv.protocol.shape import (
+    ModelShape,
+    base_fingerprint,
+    check_base_model,
+    fingerprint_diff,  # noqa: F401  (where the trainer and PEFT import it from)
+)
 
 
 def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
@@ -113,15 +116,6 @@ def _first_line(err: BaseException) -> str:
     """torch's errors carry a C++ stack after their first line: the message is that line."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Fields that make ``actual`` another base model than ``expected``: the structural keys, and the
-    revision when both record one. The name alone does not: a local copy of a Hub model is the same model."""
-    diff = [k for k in FINGERPRINT_KEYS if expected.get(k) != actual.get(k)]
-    if expected.get("revision") and actual.get("revision") and expected["revision"] != actual["revision"]:
-        diff.append("revision")
-    return diff
 
 
 class ZoomAdapter:
@@ -220,17 +214,7 @@ class ZoomAdapter:
     # -- using it ---------------------------------------------------------------------------------------
     def check_base(self, model: Any, *, strict_name: bool = False) -> None:
         """Raise ``BaseModelMismatchError`` unless ``model`` is the base model this adapter was trained on."""
-        expected = self.config.base_model
-        actual = base_fingerprint(model, revision=expected.get("revision") and _model_revision(model))
-        diff = fingerprint_diff(expected, actual)
-        same_name = same_base_name(expected.get("name"), actual.get("name"))  # smollm2-135m is its Hub id
-        if strict_name and not same_name:
-            diff.append("name")
-        if diff:
-            raise BaseModelMismatchError(expected, actual, diff)
-        if expected.get("name") and actual.get("name") and not same_name:
-            warnings.warn(f"adapter trained on {expected['name']!r}, loaded onto {actual['name']!r} "
-                          "(same architecture and sizes)", stacklevel=2)
+        check_base_model(self.config.base_model, model, strict_name=strict_name)
 
     def attach(self, model: torch.nn.Module) -> torch.nn.Module:
         """Check the base model, put the modules on its device and route its attention through zoomkv."""
@@ -257,11 +241,6 @@ class ZoomAdapter:
                                      "config may not point outside its folder")
         kwargs = {k: v for k, v in self.config.hyper.items() if k in {f.name for f in fields}}
         return get_training(name).with_modules(cls.make_config(**{**kwargs, **overrides}), self.modules)
-
-
-def _model_revision(model: Any) -> str | None:
-    config = getattr(model, "config", model)
-    return getattr(model, "zoomkv_revision", None) or getattr(config, "_commit_hash", None)
 
 
 def cache_from_adapter(model: torch.nn.Module, adapter: ZoomAdapter | str | Path,

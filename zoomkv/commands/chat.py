@@ -46,8 +46,6 @@ def run(args: argparse.Namespace) -> int:
     spec = run_from_args(args)  # every check that needs no model: method, budget, variants, adapter
     document = read_text_file(args.context_file, "context file")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
-    if spec.adapter is not None:
-        spec.adapter.attach(model)  # wrong base model → BaseModelMismatchError naming both (exit 2)
     conversation = Conversation(model, tokenizer, document, spec.cache,
                                 chat=None if args.chat == "auto" else args.chat == "on",
                                 max_new_tokens=args.max_new_tokens)

@@ -39,8 +39,6 @@ def run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise ZoomKVError("the prompt is empty")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
-    if spec.adapter is not None:
-        spec.adapter.attach(model)  # wrong base model → BaseModelMismatchError naming both (exit 2)
     result = generate_text(model, tokenizer, prompt, spec.cache, max_new_tokens=args.max_new_tokens,
                            chat=None if args.chat == "auto" else args.chat == "on")
     report = result.memory

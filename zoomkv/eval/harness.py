@@ -227,10 +227,8 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
     model_max = context_limit(model)
     check_lengths(cfg, model_max, cfg.model)
-    for run in prep.runs:
-        run.cache.check_model(model)  # a budget over the model's context: now, not in the warm-up
-    for adapter in {id(r.adapter): r.adapter for r in prep.runs if r.adapter is not None}.values():
-        adapter.attach(model)  # refuses another base model, naming both fingerprints
+    for run in prep.runs:  # now, not in the warm-up: another base model than an adapter's (naming both
+        run.cache.check_model(model)  # fingerprints), a budget over the model's context
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
     identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,

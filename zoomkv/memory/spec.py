@@ -4,7 +4,9 @@
     cache = ZoomCache(model, spec)
 
 A spec holds the method object itself (built once, with its hyper-parameters and, for a trained method,
-its modules), the parsed ``Budget``, the softmax-tail switch, the KV quantization and the prefill chunk.
+its modules), the parsed ``Budget``, the softmax-tail switch, the KV quantization and the prefill chunk; for
+a trained adapter also what the model must be (``TrainedModules``: checked, and the modules put on its
+device, when the spec meets the model in ``check_model``).
 A method object keeps no per-sequence state (that lives in each layer's ``LayerMemory``), so one spec
 serves every cache of a run: every prompt of an evaluation, every repeat of a benchmark.
 
@@ -14,8 +16,10 @@ The command line reaches a spec through ``zoomkv.runspec`` (one grammar for ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from zoomkv import compat
 from zoomkv.budget import Budget
@@ -23,8 +27,26 @@ from zoomkv.errors import BudgetError, ConfigError
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.protocol.method import KVMethod
 from zoomkv.protocol.registry import get_method
+from zoomkv.protocol.shape import check_base_model
 
 TAIL_ROWS = 1  # the softmax tail's row per KV head (zoomkv.memory.tail): one of the budget's B rows
+
+
+@dataclass(frozen=True)
+class TrainedModules:
+    """A trained adapter's share of a cache: the modules its method runs, and the base model they fit."""
+
+    modules: torch.nn.Module
+    base_model: dict[str, Any]  # the adapter's recorded fingerprint (zoomkv.protocol.shape.base_fingerprint)
+
+    def fit(self, model_or_config: Any) -> None:
+        """Refuse another base model (``BaseModelMismatchError`` naming both); put the modules on the model's
+        device (in place: the method holds these very modules)."""
+        check_base_model(self.base_model, model_or_config)
+        if isinstance(model_or_config, torch.nn.Module):
+            device = next((p.device for p in model_or_config.parameters()), None)
+            if device is not None:
+                self.modules.to(device)
 
 
 @dataclass(frozen=True)
@@ -34,6 +56,7 @@ class CacheSpec:
     tail_summary: bool = False  # one mean row for everything a step did not select (zoomkv.memory.tail)
     kv_quant: QuantSpec | None = None  # int8/int4 rows in the host tier (every tier with tiers="all")
     prefill_chunk: int | None = None  # longer inputs go through in pieces of this many tokens
+    trained: TrainedModules | None = field(default=None, compare=False)  # a loaded adapter's modules and base
 
     def __post_init__(self) -> None:
         method = self.method
@@ -87,8 +110,10 @@ class CacheSpec:
         return TAIL_ROWS if self.tail_summary else 0
 
     def check_model(self, model_or_config: Any) -> None:
-        """What only the model can tell: a row budget over its longest context, a quantization group that
-        does not divide its head size."""
+        """What only the model can tell: another base model than a trained adapter's, a row budget over its
+        longest context, a quantization group that does not divide its head size."""
+        if self.trained is not None:
+            self.trained.fit(model_or_config)
         config = getattr(model_or_config, "config", model_or_config)
         max_len = getattr(compat.text_config(config), "max_position_embeddings", None)
         if self.budget is not None:

@@ -3,13 +3,15 @@ adapter records to refuse the wrong base model."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from zoomkv import compat
-from zoomkv.errors import ConfigError
+from zoomkv.errors import BaseModelMismatchError, ConfigError
+from zoomkv.models.registry import same_base_name
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,35 @@ def base_fingerprint(model_or_config: Any, name: str | None = None, revision: st
 
 FINGERPRINT_KEYS = ("model_type", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
                     "vocab_size")
+
+
+def fingerprint_diff(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Fields that make ``actual`` another base model than ``expected``: the structural keys, and the
+    revision when both record one. The name alone does not: a local copy of a Hub model is the same model."""
+    diff = [k for k in FINGERPRINT_KEYS if expected.get(k) != actual.get(k)]
+    if expected.get("revision") and actual.get("revision") and expected["revision"] != actual["revision"]:
+        diff.append("revision")
+    return diff
+
+
+def check_base_model(expected: dict[str, Any], model: Any, *, strict_name: bool = False) -> None:
+    """Raise ``BaseModelMismatchError`` unless ``model`` (or its config) is the base model ``expected`` (an
+    adapter's recorded fingerprint) describes; another name with the same architecture and sizes warns."""
+    actual = base_fingerprint(model, revision=expected.get("revision") and _model_revision(model))
+    diff = fingerprint_diff(expected, actual)
+    same_name = same_base_name(expected.get("name"), actual.get("name"))  # smollm2-135m is its Hub id
+    if strict_name and not same_name:
+        diff.append("name")
+    if diff:
+        raise BaseModelMismatchError(expected, actual, diff)
+    if expected.get("name") and actual.get("name") and not same_name:
+        warnings.warn(f"adapter trained on {expected['name']!r}, loaded onto {actual['name']!r} "
+                      "(same architecture and sizes)", stacklevel=3)
+
+
+def _model_revision(model: Any) -> str | None:
+    config = getattr(model, "config", model)
+    return getattr(model, "zoomkv_revision", None) or getattr(config, "_commit_hash", None)
 
 
 def trainable_fraction(modules: torch.nn.Module, shape: ModelShape) -> float:
