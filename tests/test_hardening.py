@@ -110,7 +110,7 @@ def test_non_finite_gradient_or_update_is_refused():
     import torch
     from accelerate import Accelerator
 
-    from zoomkv.train.loop import NonFiniteTrainingError, gradient_norm, stop_unless_finite
+    from zoomkv.train.guards import NonFiniteTrainingError, gradient_norm, stop_unless_finite
 
     accelerator = Accelerator(cpu=True)
     module = torch.nn.Linear(2, 2)
@@ -143,7 +143,7 @@ def test_resume_refuses_a_checkpoint_of_another_base_model(nan_run):
 def test_resume_refuses_same_name_other_shape(nan_run):
     from zoomkv.models import load_model
     from zoomkv.protocol.shape import base_fingerprint
-    from zoomkv.train.loop import check_resume
+    from zoomkv.train.checkpoints import check_resume
 
     tmp, _ = nan_run
     folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
@@ -217,7 +217,7 @@ def test_checkpoint_files_are_verified_too(tmp_path, probe_method, llama):  # no
 def test_resume_verifies_the_checkpoint_and_optimizer_state(nan_run):
     import torch
 
-    from zoomkv.train.loop import OPTIMIZER_NAME, load_checkpoint_state
+    from zoomkv.train.checkpoints import OPTIMIZER_NAME, load_checkpoint_state
 
     tmp, _ = nan_run
     folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"

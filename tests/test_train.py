@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from zoomkv.cli import run_command
 from zoomkv.errors import ConfigError
 from zoomkv.train.config import load_recipe
-from zoomkv.train.loop import dry_run
+from zoomkv.train.sizing import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"
@@ -131,14 +131,14 @@ def _run(tmp_path: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
 def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     full = _run(tmp_path, "a")
     assert full.returncode == 0, full.stderr[-2000:]
-    assert "trainable parameters:" in full.stdout and "adapter saved to" in full.stdout
+    assert "trainable parameters:" in full.stderr and "adapter saved to" in full.stderr
     _loss_decreases(tmp_path / "teacher")
     killed = _run(tmp_path, "b", "kill_at_step=3")
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "b" / "sekv-tiny" / "adapter").exists()
     resumed = _run(tmp_path, "b", "resume=latest")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
     a = load_file(str(tmp_path / "a" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
@@ -178,8 +178,8 @@ def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
             "queries_per_sample=3", "steps=4", "save_every=2"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 process(es), multi_cpu" in done.stdout
-    assert "all 2 processes hold the same adapter" in done.stdout  # gradients were averaged every step
+    assert "2 process(es), multi_cpu" in done.stderr
+    assert "all 2 processes hold the same adapter" in done.stderr  # gradients were averaged every step
     from zoomkv.adapters.model import ZoomAdapter
 
     adapter = ZoomAdapter.from_pretrained(tmp_path / "sekv-tiny" / "adapter")
@@ -260,7 +260,7 @@ def test_freeze_holds_the_named_tensors_and_the_rank_gates_learn_at_their_own_ra
               "steps=4", "save_every=4"]
     assert main([*common, f"output_dir={tmp_path / 'a'}", "freeze=span_tau,layer_logit",
                  "host_rank_target=0.5", "gate_lr=1.0"]) == 0
-    assert "held at their start: span_tau, layer_logit" in capsys.readouterr().out
+    assert "held at their start: span_tau, layer_logit" in capsys.readouterr().err
     a = load_file(str(tmp_path / "a" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
     assert torch.equal(a["span_tau"], torch.full_like(a["span_tau"], 2.0))
     assert torch.equal(a["layer_logit"], torch.zeros_like(a["layer_logit"]))

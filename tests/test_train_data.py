@@ -13,8 +13,7 @@ import pytest
 from zoomkv.data.haystack import text_haystack
 from zoomkv.data.training import make_samples, parse_task_mix, task_sequence
 from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.train.config import load_recipe
-from zoomkv.train.loop import load_corpus
+from zoomkv.train.config import load_corpus, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"

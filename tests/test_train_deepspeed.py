@@ -25,9 +25,10 @@ CONFIG = ROOT / "recipes" / "accelerate" / "deepspeed_zero2_cpu.yaml"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _train(tmp: Path, out: str, *extra: str, processes: int | None = None) -> subprocess.CompletedProcess:
+def _train(tmp: Path, out: str, *extra: str, processes: int | None = None,
+           launch: list[str] | tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     launch = [] if processes is None else ["-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
-                                           "--num_processes", str(processes)]
+                                           "--num_processes", str(processes), *launch]
     args = [sys.executable, *launch, "-m", "zoomkv.train", "--recipe", str(TINY), f"output_dir={tmp / out}",
             f"teacher_cache={tmp / 'teacher'}", "num_samples=2", "queries_per_sample=3", "steps=4", "save_every=2",
             *extra]
@@ -52,7 +53,7 @@ def test_zero2_one_and_two_processes_train_what_a_plain_run_trains(tmp_path):
 
     # 1 DeepSpeed process accumulating the 2 samples; SIGKILLed at step 3, resumed from the step-2 checkpoint
     killed = _train(tmp_path, "one", "samples_per_step=2", "kill_at_step=3", processes=1)
-    assert killed.returncode != 0 and "1 process(es), deepspeed, cpu" in killed.stdout, killed.stderr[-3000:]
+    assert killed.returncode != 0 and "1 process(es), deepspeed ZeRO-2, cpu" in killed.stderr, killed.stderr[-3000:]
     run = tmp_path / "one" / "sekv-tiny"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
     # the checkpoint holds AdamW's moments per parameter, as a plain run's does (ZeRO's partitions gathered)
@@ -61,13 +62,25 @@ def test_zero2_one_and_two_processes_train_what_a_plain_run_trains(tmp_path):
                  load_file(step2 / "optimizer.safetensors"))
     resumed = _train(tmp_path, "one", "samples_per_step=2", "resume=latest", processes=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "adapter saved to" in resumed.stdout
+    assert "resumed from" in resumed.stderr and "adapter saved to" in resumed.stderr
     _assert_same(_weights(run / "adapter"), reference)
 
     # 2 DeepSpeed processes, 1 sample each: ZeRO-2 partitions the gradients and moments over the two
     two = _train(tmp_path, "two", processes=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 process(es), deepspeed, cpu" in two.stdout
-    assert "all 2 processes hold the same adapter" in two.stdout
+    assert "2 process(es), deepspeed ZeRO-2, cpu" in two.stderr
+    assert "all 2 processes hold the same adapter" in two.stderr
     assert (tmp_path / "two" / "sekv-tiny" / "checkpoints" / "step_000004" / "DONE").is_file()
     _assert_same(_weights(tmp_path / "two" / "sekv-tiny" / "adapter"), reference)
+
+
+def test_zero3_is_refused_before_the_model_loads(tmp_path):
+    """``--zero_stage 3`` once failed deep in the model's load ("num_parameters ... got 0": ZeRO-3 had
+    partitioned the frozen base); the trainer's process exits with one line naming the reason and ZeRO-2
+    (the launcher then reports its child's exit status 2 in its own words), and nothing is written."""
+    done = _train(tmp_path, "z3", processes=1, launch=["--zero_stage", "3"])
+    assert done.returncode != 0 and "(exitcode: 2)" in done.stderr, done.stderr[-3000:]
+    err = [line for line in done.stderr.splitlines() if line.startswith("python -m zoomkv.train: error:")]
+    assert len(err) == 1 and "ZeRO stage 3 is not supported" in err[0] and "--zero_stage 2" in err[0], err
+    assert "num_parameters" not in done.stderr
+    assert not (tmp_path / "z3").exists()

@@ -3,6 +3,9 @@
     python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml steps=50 resume=latest
     python -m zoomkv.train --recipe recipes/llama-3-8b/sekv.yaml --dry-run   # no weights loaded
     python -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml --eval-only eval_samples=6
+
+The run's log (sizes, processes, ``step N:`` lines, where the adapter went) is on stderr above the progress
+bars; ``--quiet`` keeps warnings only, ``-v`` adds where caches and checkpoints went.
 """
 
 from __future__ import annotations
@@ -22,15 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zoomkv.train.config import load_recipe
-
     cfg = load_recipe(args.recipe, args.overrides)  # every recipe error surfaces here, before a model loads
     if args.dry_run:
-        from zoomkv.train.loop import dry_run
+        from zoomkv.train.sizing import dry_run
 
         dry_run(cfg)
         return 0
     if args.eval_only:
-        from zoomkv.train.loop import evaluate_run
+        from zoomkv.train.heldout import evaluate_run
 
         evaluate_run(cfg)
         return 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import parse_task_mix
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.method import value_fits
@@ -223,3 +224,8 @@ def check_ranges(cfg: TrainConfig) -> None:
 
 def save_resolved(cfg: TrainConfig, folder: Path) -> None:
     (folder / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+
+
+def load_corpus(cfg: TrainConfig) -> Haystack | None:
+    """The recipe's ``data`` as one word stream (None: generated filler sentences)."""
+    return text_haystack(cfg.data, field=cfg.data_field, split=cfg.data_split) if cfg.data else None

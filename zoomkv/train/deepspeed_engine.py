@@ -5,6 +5,8 @@ state read and written in the trainer's own checkpoint format.
 on GPUs, ``deepspeed_zero2_cpu.yaml`` with ``DS_ACCELERATOR=cpu``) makes ``accelerator.prepare`` return
 DeepSpeed's engine and a ZeRO optimizer. The trainer then
 
+* refuses another ZeRO stage before the base model loads (``check_stage``: ZeRO-3 would partition the frozen
+  base, which never trains and never sits on the accelerator, and gain nothing on the tiny adapter);
 * sets the engine's batch from the recipe (``configure``): one sample per micro-batch,
   ``samples_per_step`` micro-batches accumulated per process and step, ``grad_clip`` as DeepSpeed's
   ``gradient_clipping`` (the engine clips and steps inside ``accelerator.backward`` at the last micro-batch);
@@ -18,12 +20,15 @@ DeepSpeed launch asks for it.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
 from zoomkv.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def deepspeed_requested() -> bool:
@@ -43,29 +48,51 @@ def accelerator_kwargs() -> dict[str, Any]:
     return {"kwargs_handlers": [InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())]}
 
 
-def configure(accelerator: Any, samples_per_step: int, grad_clip: float, n_params: int, say: Any = print) -> None:
+SUPPORTED_STAGES = (1, 2)
+
+
+def zero_stage(accelerator: Any) -> Any:
+    """The ZeRO stage of the DeepSpeed config accelerate built (from the launch flags or a config file)."""
+    return accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)
+
+
+def check_stage(accelerator: Any) -> None:
+    """Refuse a ZeRO stage the trainer cannot use, before the base model loads: under ZeRO-3 transformers
+    would load it partitioned (0 parameters on each process) and fail later, far from the cause."""
+    stage = zero_stage(accelerator)
+    if stage in SUPPORTED_STAGES:
+        return
+    if stage == 3:
+        raise ConfigError(
+            "DeepSpeed ZeRO stage 3 is not supported by the trainer: it partitions the model's parameters over "
+            "the processes, but the frozen base model never trains and never sits on the accelerator (the main "
+            "process runs it once, in host memory, to cache the teacher signals) and the adapter is far too "
+            "small to gain from partitioning; use ZeRO stage 2 (--zero_stage 2, or "
+            "--config_file recipes/accelerate/deepspeed_zero2.yaml), which partitions the adapter's gradients "
+            "and optimiser moments")
+    raise ConfigError(f"DeepSpeed ZeRO stage {stage} is not supported by the trainer (stages 1 and 2 are: their "
+                      "optimiser state is what the trainer's checkpoints save and resume); use --zero_stage 2")
+
+
+def configure(accelerator: Any, samples_per_step: int, grad_clip: float, n_params: int) -> None:
     """Write the recipe's batch into the DeepSpeed plugin's config before ``accelerator.prepare``: the
     trainer has no dataloader, so accelerate cannot infer ``train_micro_batch_size_per_gpu`` itself.
     ZeRO's gradient buckets default to 5e8 elements, allocated at every step (4.5 s of a 9 s tiny run on a
     CPU): unless the config names them, they are sized to the adapter (``n_params``), one bucket for all."""
-    plugin = accelerator.state.deepspeed_plugin
-    config = plugin.deepspeed_config
-    stage = config.get("zero_optimization", {}).get("stage")
-    if stage not in (0, 1, 2):
-        raise ConfigError(f"DeepSpeed ZeRO stage {stage} is not supported by the trainer (stages 0, 1 and 2 are: "
-                          "the adapter is small, ZeRO-3's parameter partitioning would gain nothing)")
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
     wanted = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": samples_per_step,
               "train_batch_size": samples_per_step * accelerator.num_processes, "gradient_clipping": float(grad_clip)}
     for key, value in wanted.items():
         given = config.get(key)
         if given not in (None, "auto", value) and key != "train_batch_size":
-            say(f"DeepSpeed {key}: the recipe's {value} replaces the accelerate config's {given}")
+            log.warning("DeepSpeed %s: the recipe's %s replaces the accelerate config's %s", key, value, given)
         config[key] = value
     zero = config.setdefault("zero_optimization", {})
     bucket = -(-max(n_params, 1) // 2**20) * 2**20  # whole MiB-elements: aligned however DeepSpeed pads
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if zero.get(key) in (None, "auto"):
             zero[key] = bucket
+    log.debug("DeepSpeed config: %s", config)
     accelerator.gradient_accumulation_steps = samples_per_step
 
 

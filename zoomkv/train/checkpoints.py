@@ -1,0 +1,128 @@
+"""Training checkpoints: save one step's state, find and check the one to resume, restore it.
+
+A checkpoint is one folder, ``<run>/checkpoints/step_NNNNNN``, of safetensors + JSON only (no pickle, unlike
+``accelerator.save_state``), written whole to a temporary folder and renamed: the adapter checkpoint
+(``zoomkv export`` reads it), AdamW's moments in ``torch.optim``'s ``state_dict`` terms, the step, the
+recipe, and ``DONE`` last. Resuming it restores the exact state: the data position and every random draw
+of the loop are pure functions of (seed, step), so a resumed run trains bitwise the adapter of an
+uninterrupted one (CPU, same seed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, checkpoint_files
+from zoomkv.adapters.files import write_folder_atomically
+from zoomkv.adapters.model import fingerprint_diff
+from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
+from zoomkv.errors import ConfigError
+from zoomkv.protocol.shape import ModelShape
+from zoomkv.train.config import TrainConfig
+
+OPTIMIZER_NAME = "optimizer.safetensors"
+TRAINER_NAME = "trainer_state.json"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "DONE").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def save_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, adapter: torch.nn.Module, optimizer: Any,
+                    shape: ModelShape, fingerprint: dict[str, Any]) -> None:
+    """One folder, written whole then renamed (a kill mid-save leaves the previous one as ``latest``):
+    the adapter checkpoint (``zoomkv export`` reads it), the optimizer moments, the step, the recipe.
+    ``optimizer``: the optimizer, or its ``state_dict()`` (DeepSpeed's is gathered by every process)."""
+    files = checkpoint_files(adapter, method=cfg.method, hyper=cfg.training.hyper(adapter, cfg),
+                             base_model=fingerprint, shape=shape, budget=cfg.budget, extra={"step": step})
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{index}.{key}"] = value
+    files[OPTIMIZER_NAME] = tensors_to_bytes(tensors)
+    trainer = {"step": step, "param_groups": state["param_groups"], "optimizer_scalars": scalars,
+               "optimizer_sha256": sha256(files[OPTIMIZER_NAME])}
+    files[TRAINER_NAME] = (json.dumps(trainer, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    files["train_config.yaml"] = yaml.safe_dump(cfg.to_dict(), sort_keys=True).encode("utf-8")
+    files["DONE"] = str(step).encode()
+    write_folder_atomically(run_dir / "checkpoints" / f"step_{step:06d}", files, overwrite=True)
+
+
+def resume_folder(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``resume`` names (``latest``: the newest finished one of the run, None if none yet),
+    checked to be of the recipe's method and base model name; ``check_resume`` adds the model's shape."""
+    if not cfg.resume:
+        return None
+    folder = latest_checkpoint(cfg.run_dir) if cfg.resume == "latest" else Path(cfg.resume)
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        raise ConfigError(f"recipe key 'resume': checkpoint folder not found: {cfg.resume}")
+    check_resume(folder, cfg)
+    return folder
+
+
+def check_resume(folder: Path, cfg: TrainConfig, fingerprint: dict[str, Any] | None = None) -> None:
+    """Refuse to resume a checkpoint of another method or base model (the name the recipe gave it, and,
+    with ``fingerprint``, the loaded model's shape): it would continue, and be stamped as, the wrong one."""
+    try:
+        meta = json.loads((folder / META_NAME).read_text(encoding="utf-8"))
+        recorded = meta["base_model"]
+        method = meta["method"]
+        if not isinstance(recorded, dict):
+            raise TypeError("base_model is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"recipe key 'resume': {folder} is not a training checkpoint of this trainer ({err})") from err
+    if method != cfg.method:
+        raise ConfigError(f"recipe key 'resume': {folder} is a checkpoint of method {method!r}, not {cfg.method!r}")
+    try:  # the optimiser's groups leave frozen tensors out: another freeze= cannot take these moments
+        saved = yaml.safe_load((folder / "train_config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        saved = {}
+    frozen = str(saved.get("freeze") or "") if isinstance(saved, dict) else ""
+    if frozen != cfg.freeze:
+        raise ConfigError(f"recipe key 'resume': {folder} was trained with freeze={frozen!r}, the recipe says "
+                          f"freeze={cfg.freeze!r}; resume with the same freeze")
+    diff = [] if recorded.get("name") == cfg.model else ["name"]
+    if fingerprint is not None:
+        diff += fingerprint_diff(recorded, fingerprint)
+    if diff:
+        raise ConfigError(
+            f"recipe key 'resume': {folder} is a checkpoint of base model {recorded.get('name')!r}, not the "
+            f"recipe's model {cfg.model!r} (they differ in {', '.join(diff)}); resume with "
+            f"model={recorded.get('name')}, or train the new model in another run_name/output_dir"
+        )
+
+
+def load_checkpoint_state(folder: Path, adapter: torch.nn.Module, optimizer: Any) -> int:
+    """Restore the adapter weights and optimizer moments saved by ``save_checkpoint``; returns the step."""
+    try:
+        trainer = json.loads((folder / TRAINER_NAME).read_text(encoding="utf-8"))
+        step = int(trainer["step"])
+        meta = json.loads((folder / META_NAME).read_text(encoding="utf-8"))
+        state_sha, optimizer_sha = meta["state_sha256"], trainer["optimizer_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{folder} is not a training checkpoint of this trainer ({err})") from err
+    # Both files verified against the checksums written with them, like every adapter file zoomkv reads.
+    load_into(adapter, read_weights(folder / STATE_NAME, state_sha, recorded_in=str(folder / META_NAME)),
+              source=str(folder / STATE_NAME))
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in read_weights(folder / OPTIMIZER_NAME, optimizer_sha,
+                                     recorded_in=str(folder / TRAINER_NAME)).items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    for name, value in trainer.get("optimizer_scalars", {}).items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": trainer["param_groups"]})
+    return step
