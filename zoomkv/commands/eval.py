@@ -6,6 +6,12 @@
     zoomkv eval --model smollm2-135m --adapter checkpoints/sekv-smollm2 --methods quest --budgets 256 --out runs/adapter
     zoomkv eval --model smollm2-135m --methods snapkv --budgets 128 --tasks niah_single_2 --protocol query-aware --out runs/qa
     zoomkv eval --list-tasks
+    accelerate launch --num_processes 2 -m zoomkv eval --model smollm2-135m --methods quest --budgets 256 --out runs/q
+    torchrun --nproc_per_node 2 -m zoomkv eval --model smollm2-135m --methods quest --budgets 256 --out runs/q
+
+Several processes (a launcher above; GPUs or machines) share the prompts, each on its own device; the main
+process merges their rows into one rows.jsonl and summary.md (which says how many processes ran). A killed
+run resumes with any number of processes.
 
 Your own data, --data FILE.jsonl: one JSON object per line, the plain format at its simplest
 
@@ -123,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     rows = run_eval(cfg)
+    from zoomkv.eval.shards import is_main_process
+
+    if not is_main_process():  # the main process of a sharded run prints the merged summary
+        return 0
     from pathlib import Path
 
     out = Path(cfg.out)

@@ -3,7 +3,8 @@
 For each batch of prompts the model prefills once (``generate_methods``) and every configuration still
 missing a row decodes from that shared prefill; its rows (score, bytes per tier, timings) are appended
 to ``rows.jsonl`` before the next batch starts. Everything is validated before the model loads, so a
-typo costs a second, not a prefill.
+typo costs a second, not a prefill; a resumed run with nothing left to do loads no model at all. Under a
+multi-process launcher the batches are shared out (``zoomkv.eval.shards``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +25,13 @@ from zoomkv.data.haystack import DEFAULT_PROSE, Haystack, text_haystack
 from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.metrics import score
-from zoomkv.eval.rows import RowStore, row_key
+from zoomkv.eval.rows import PART_GLOB, RowStore, row_key
+from zoomkv.eval.shards import Processes, batch_of, join_processes
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
 from zoomkv.generation import GenerationResult, generate_methods, generate_turns
 from zoomkv.runspec import RunSpec, parse_runs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,56 +216,122 @@ def release_freed_memory() -> None:
         pass
 
 
-def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
-    """Run (or resume) the evaluation ``cfg`` describes; returns every row in ``cfg.out``."""
-    from zoomkv.eval.report import write_outputs
-    from zoomkv.models import context_limit
+def _identity(cfg: EvalConfig, prep: Prepared, chat: bool | None) -> dict[str, Any]:
+    """What makes rows comparable (run.json). ``chat`` None: not known before the tokenizer (``--chat auto``).
+    The haystack only when a task of this run reads it: a run of noise tasks does not claim the prose."""
+    identity = {"model": cfg.model, "chat": chat, "seed": cfg.seed, "dtype": cfg.dtype,
+                "max_new_tokens": cfg.max_new_tokens, "protocol": cfg.protocol, "prefill_chunk": cfg.prefill_chunk}
+    if prep.essays is not None:
+        identity["haystack"] = cfg.haystack
+    if cfg.diagnose:  # rows with and without diagnostics do not mix (the key is absent otherwise: older runs resume)
+        identity["diagnose"] = True
+    return identity
 
+
+Batch = tuple[str, int, float | None, list[int]]  # task, length, grid depth, sample indices
+
+
+def plan_batches(cfg: EvalConfig, prep: Prepared) -> list[Batch]:
+    """Every prompt batch of the run, in the order one process runs them."""
+    return [(task, length, depth, list(range(start, min(start + cfg.batch_size, count))))
+            for task, length, depth, count in prep.groups for start in range(0, count, cfg.batch_size)]
+
+
+def _missing(store: RowStore, batch: Batch, runs: list[RunSpec]) -> list[RunSpec]:
+    task, length, depth, indices = batch
+    return [r for r in runs if any(not store.has(row_key(_probe_row(task, length, depth, i, r))) for i in indices)]
+
+
+def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """Run (or resume) the evaluation ``cfg`` describes; returns every row in ``cfg.out``. Launched as several
+    processes (``zoomkv.eval.shards``), each runs its share of the prompt batches and the main process merges
+    the rows and writes the outputs."""
     prep = prepare(cfg)
     if cfg.threads is not None:
         if cfg.threads < 1:
             raise ZoomKVError(f"--threads must be at least 1, got {cfg.threads}")
         torch.set_num_threads(cfg.threads)
+    if cfg.report_only and cfg.overwrite:
+        raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
+    out = Path(cfg.out)
+    if cfg.report_only and not ((out / "rows.jsonl").is_file() or any(out.glob(PART_GLOB))):
+        raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")  # before RowStore makes the folder
+    procs = join_processes(cfg.device)
+    store = RowStore(cfg.out, part=procs.rank if procs.world > 1 else None)
+    if not cfg.overwrite:
+        store.check_identity(_identity(cfg, prep, cfg.chat))  # every process: each refuses alike
+    procs.wait()
+    if cfg.overwrite and procs.main:
+        store.clear()
+    procs.wait()  # nobody reads the folder before the main process has cleared it
+    store.load()
+    batches = plan_batches(cfg, prep)
+    pending = [] if cfg.report_only else [i for i, b in enumerate(batches) if _missing(store, b, prep.runs)]
+    chat = cfg.chat
+    if not pending:
+        if not cfg.report_only:
+            log.info("nothing left to do: the %d prompt batches of this command all have their rows in %s; "
+                     "writing the summary and plots of the %d rows there", len(batches), cfg.out, len(store.rows))
+        recorded = store.recorded_identity().get("chat")
+        chat = recorded if chat is None and isinstance(recorded, bool) else chat
+    else:
+        model, tokenizer, chat = _run_batches(cfg, prep, procs, store, batches, pending, model, tokenizer)
+    procs.wait()  # every process's rows are on disk
+    if procs.main:
+        order = {(t, n, d, i): b for b, (t, n, d, indices) in enumerate(batches) for i in indices}
+        store.merge(lambda r: order.get(batch_of(r), len(batches)))
+        _write_report(cfg, prep, store, chat, procs.world)
+    procs.wait()
+    return store.rows if procs.main else store.load()
+
+
+def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowStore, batches: list[Batch],
+                 pending: list[int], model: Any, tokenizer: Any) -> tuple[Any, Any, bool]:
+    """Load the model (the main process first: a first load converts and caches it) and run this process's
+    share of the pending batches; returns the model, tokenizer and whether prompts used a chat template."""
+    from zoomkv.models import context_limit
+
     if model is None:
         from zoomkv.models import load_model, parse_dtype, resolve_device
 
-        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=resolve_device(cfg.device))
+        if not procs.main:
+            procs.wait()
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype),
+                                      device=procs.device or resolve_device(cfg.device))
+        if procs.main:
+            procs.wait()
     model_max = context_limit(model)
     check_lengths(cfg, model_max, cfg.model)
     for run in prep.runs:  # now, not in the warm-up: another base model than an adapter's (naming both
         run.cache.check_model(model)  # fingerprints), a budget over the model's context
     fmt = PromptFormat(tokenizer, cfg.chat)
     torch.manual_seed(cfg.seed)
-    identity = {"model": cfg.model, "chat": fmt.chat, "seed": cfg.seed, "dtype": cfg.dtype,
-                "max_new_tokens": cfg.max_new_tokens, "haystack": cfg.haystack, "protocol": cfg.protocol,
-                "prefill_chunk": cfg.prefill_chunk}
-    if cfg.diagnose:  # rows with and without diagnostics do not mix (the key is absent otherwise: older runs resume)
-        identity["diagnose"] = True
-    if cfg.report_only and cfg.overwrite:
-        raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
-    if cfg.report_only and not (Path(cfg.out) / "rows.jsonl").is_file():  # before RowStore makes the folder
-        raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")
-    store = RowStore(cfg.out, identity, overwrite=cfg.overwrite)
+    identity = _identity(cfg, prep, fmt.chat)
+    store.check_identity(identity)  # the chat setting, now that the tokenizer says what auto means
+    procs.wait()
+    if procs.main:
+        store.record_identity(identity)
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
-
-    batches = [(task, length, depth, list(range(start, min(start + cfg.batch_size, count))))
-               for task, length, depth, count in prep.groups for start in range(0, count, cfg.batch_size)]
-    todo = [] if cfg.report_only else [b for b in batches if any(not store.has(row_key(_probe_row(b[0], b[1], b[2], i, r)))
-                                                                for i in b[3] for r in prep.runs)]
-    # Build each group's first sample before any decoding: a length too short for a task's template
-    # fails now, not after an hour of other tasks. The samples are kept for the loop.
-    built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in todo if ix[0] == 0}
+    # Build each group's first sample before any decoding (every process, every group: a failure is everyone's
+    # at once): a length too short for a task's template fails now, not after an hour of other tasks.
+    built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in (batches[i] for i in pending)
+             if ix[0] == 0}
+    todo = [batches[i] for i in pending if procs.mine(i)]
+    if procs.world > 1:
+        log.info("%d of %d prompt batches left; %d processes take them in turn", len(pending), len(batches),
+                 procs.world)
     if todo:
         _warm_up(model, tokenizer, prep.runs)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", disable=not cfg.progress,
+    mine = sum(1 for i in range(len(batches)) if procs.mine(i))
+    bar = tqdm(total=mine, initial=mine - len(todo), unit="batch", disable=not cfg.progress or not procs.main,
                desc="eval", dynamic_ncols=True)
     try:
-        for task, length, depth, indices in todo:
+        for batch in todo:
+            task, length, depth, indices = batch
             bar.set_description(f"{task}@{length}" + (f" depth {depth:.2f}" if depth is not None else ""))
-            missing = [r for r in prep.runs
-                       if any(not store.has(row_key(_probe_row(task, length, depth, i, r))) for i in indices)]
+            missing = _missing(store, batch, prep.runs)
             samples = [built.pop((task, length, depth, i), None) or builder.build(task, length, i, depth)
                        for i in indices]
             texts = [fmt.sample_text(s) for s in samples]
@@ -286,13 +357,20 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
             bar.update(1)
     finally:
         bar.close()
+    return model, tokenizer, fmt.chat
+
+
+def _write_report(cfg: EvalConfig, prep: Prepared, store: RowStore, chat: bool | None, processes: int) -> None:
+    from zoomkv.eval.report import write_outputs
+
     header = {"model": cfg.model, "command": cfg.command, "protocol": cfg.protocol,
-              "prefill_chunk": cfg.prefill_chunk, "chat": fmt.chat, "seed": cfg.seed,
+              "prefill_chunk": cfg.prefill_chunk, "chat": chat, "seed": cfg.seed,
               "samples": cfg.samples, "lengths": ",".join(map(str, cfg.lengths)), "batch_size": cfg.batch_size,
+              "processes": processes,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}}
     if cfg.report_only:  # the rows' own sample counts and lengths, not this command's defaults
         per_cell = Counter((r["method"], r["budget"], r["task"], r["length"]) for r in store.rows)
         header["samples"] = ",".join(map(str, sorted(set(per_cell.values())))) or None
         header["lengths"] = ",".join(map(str, sorted({r["length"] for r in store.rows}))) or None
+        header.pop("processes")  # this command ran nothing
     write_outputs(store.rows, store.out, header, list(dict.fromkeys(r.label for r in prep.runs)), plots=cfg.plots)
-    return store.rows

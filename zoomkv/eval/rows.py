@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,38 +60,80 @@ def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
     return out
 
 
+PART_GLOB = "rows.part-*.jsonl"  # one per process of a sharded run, merged into rows.jsonl at its end
+
+
+def part_name(rank: int) -> str:
+    return f"rows.part-{rank:05d}.jsonl"
+
+
 class RowStore:
-    def __init__(self, out: str | Path, identity: dict[str, Any], *, overwrite: bool = False):
+    """The rows of one ``--out`` folder: ``rows.jsonl`` plus, while a sharded run is on (or after one was
+    killed), each process's ``rows.part-NNNNN.jsonl``. Every process reads them all (a row any process
+    finished is done), appends only to its own file (``part``: its rank; None: ``rows.jsonl`` itself), and the
+    main process merges the parts into ``rows.jsonl`` at the end (``merge``)."""
+
+    def __init__(self, out: str | Path, *, part: int | None = None):
         self.out = check_output_folder(out, create=True)
         self.path = self.out / "rows.jsonl"
-        run_file = self.out / "run.json"
-        if overwrite:  # everything an earlier run wrote here, so no stale plot outlives its rows
-            for pattern in OUTPUT_PATTERNS:
-                for stale in self.out.glob(pattern):
-                    stale.unlink(missing_ok=True)
-        elif run_file.is_file() and self.path.is_file():
-            self._check_identity(run_file, identity)
-        run_file.write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        self.rows: list[dict[str, Any]] = self._load()
-        self.done = {row_key(r) for r in self.rows}
+        self.write_path = self.path if part is None else self.out / part_name(part)
+        self.run_file = self.out / "run.json"
+        self.rows: list[dict[str, Any]] = []
+        self.done: set[tuple[Any, ...]] = set()
 
-    def _check_identity(self, run_file: Path, identity: dict[str, Any]) -> None:
+    def has_rows(self) -> bool:
+        return self.path.is_file() or any(self.out.glob(PART_GLOB))
+
+    def clear(self) -> None:
+        """``--overwrite``: everything an earlier run wrote here, so no stale plot outlives its rows."""
+        for pattern in (*OUTPUT_PATTERNS, PART_GLOB):
+            for stale in self.out.glob(pattern):
+                stale.unlink(missing_ok=True)
+
+    def recorded_identity(self) -> dict[str, Any]:
         try:
-            old = json.loads(run_file.read_text(encoding="utf-8"))
+            old = json.loads(self.run_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
+            return {}
+        if not isinstance(old, dict):
+            return {}
+        old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
+        return old
+
+    def check_identity(self, identity: dict[str, Any]) -> None:
+        """Refuse rows of another run (model, seed, chat, ...): the settings both record and differ in. A
+        setting given as None is not known yet (``--chat auto`` before the tokenizer is loaded)."""
+        if not self.has_rows():
             return
-        if isinstance(old, dict):
-            old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
-        diff = [k for k in identity if k in old and old[k] != identity[k]]
+        old = self.recorded_identity()
+        diff = [k for k in identity if k in old and identity[k] is not None and old[k] != identity[k]]
         if diff:
             what = "; ".join(f"{k}: {old[k]!r} there, {identity[k]!r} now" for k in diff)
             raise ZoomKVError(f"{self.out} holds rows of a different run ({what}); use another --out, or "
                               "--overwrite to start afresh")
 
-    def _load(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
+    def record_identity(self, identity: dict[str, Any]) -> None:
+        """Write run.json: this run's settings over the ones recorded (a setting this run does not use, such as
+        the haystack of a run without essay tasks, stays as an earlier run recorded it)."""
+        merged = {**(self.recorded_identity() if self.has_rows() else {}), **identity}
+        self.run_file.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    def load(self) -> list[dict[str, Any]]:
+        """Read every row file (``rows.jsonl`` first, then the parts by rank): one row per key, the first."""
+        rows: list[dict[str, Any]] = []
+        for path in [self.path, *sorted(self.out.glob(PART_GLOB))]:
+            rows += self._read(path)
+        unique: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for r in rows:
+            unique.setdefault(row_key(r), r)
+        self.rows = list(unique.values())
+        self.done = set(unique)
+        return self.rows
+
+    def _read(self, path: Path) -> list[dict[str, Any]]:
+        if not path.is_file():
             return []
-        lines = self.path.read_text(encoding="utf-8").split("\n")
+        lines = path.read_text(encoding="utf-8").split("\n")
         rows, good = [], []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -100,14 +143,11 @@ class RowStore:
                 good.append(line)
             except json.JSONDecodeError:
                 if number >= len(lines) - 1:  # the last line, cut off by an interruption: redo that row
-                    self.path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+                    if path == self.write_path:  # another process's file is its to repair (it may be writing)
+                        path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
                     break
-                raise ZoomKVError(f"{self.path}:{number}: bad JSON; fix or delete the line to resume") from None
-        # One row per key, the first: rows of several runs put together (--report-only) share their `full` rows.
-        unique: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for r in rows:
-            unique.setdefault(row_key(r), r)
-        return list(unique.values())
+                raise ZoomKVError(f"{path}:{number}: bad JSON; fix or delete the line to resume") from None
+        return rows
 
     def has(self, key: tuple[Any, ...]) -> bool:
         return key in self.done
@@ -116,13 +156,41 @@ class RowStore:
         fresh = [r for r in rows if row_key(r) not in self.done]
         if not fresh:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with open(self.write_path, "a", encoding="utf-8") as fh:
             for r in fresh:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
             fh.flush()
             os.fsync(fh.fileno())  # the row is done only once it is on disk
         self.rows += fresh
         self.done.update(row_key(r) for r in fresh)
+
+    def merge(self, order: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+        """Main process, once every process is done: the parts' rows join ``rows.jsonl`` (after its own rows,
+        sorted by ``order``, stably, so each prompt batch's rows stay in the order they were written: the
+        order one process would have written them in), the file is replaced in one rename, then the parts
+        are removed. A kill at any point loses no row (a row in both places is read once)."""
+        parts = sorted(self.out.glob(PART_GLOB))
+        own = self._read(self.path)
+        if parts:
+            keys = {row_key(r) for r in own}
+            new: list[dict[str, Any]] = []
+            for part in parts:
+                for r in self._read(part):
+                    if row_key(r) not in keys:
+                        keys.add(row_key(r))
+                        new.append(r)
+            new.sort(key=order)
+            tmp = self.path.with_name(f".rows.jsonl.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for r in own + new:
+                    fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+            for part in parts:
+                part.unlink(missing_ok=True)
+        self.write_path = self.path
+        return self.load()
 
 
 def write_tables(rows: list[dict[str, Any]], out: str | Path) -> None:

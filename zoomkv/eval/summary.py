@@ -94,7 +94,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown(summary: list[dict[str, Any]], rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     tasks = task_order(rows)
     lines = [f"# zoomkv eval: {header.get('model', '')}", ""]
-    for key in ("command", "protocol", "prefill_chunk", "chat", "seed", "samples", "lengths", "batch_size"):
+    for key in ("command", "protocol", "prefill_chunk", "chat", "seed", "samples", "lengths", "batch_size",
+                "processes"):
         if header.get(key) not in (None, ""):
             lines.append(f"- {key}: `{header[key]}`")
     hay = sorted({r["haystack"] for r in rows if r.get("haystack") and r["haystack"] != "data"})
