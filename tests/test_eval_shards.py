@@ -111,3 +111,19 @@ def test_run_json_records_the_haystack_only_when_a_task_reads_it(tmp_path):
     rows = run_eval(EvalConfig(**{**cfg, "tasks": ["niah_single_1", "niah_single_2"]}), *tiny)
     assert json.loads((out / "run.json").read_text())["haystack"] == "python-docs"
     assert {r["haystack"] for r in rows} == {"noise", "prose (python-docs)"}
+
+
+def test_calibrate_compresskv_shares_its_prompts(tmp_path):
+    """`zoomkv calibrate compresskv` under torchrun with two processes: each decodes every other passkey prompt,
+    and the main process writes the profile one process writes, bit for bit."""
+    calibrate = ["calibrate", "compresskv", "--model", "tiny-llama", "--samples", "4", "--length", "300",
+                 "--error-budget", "32", "--accept-all"]
+    assert main([*calibrate, "--out", str(tmp_path / "one.json"), "--quiet"]) == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "zoomkv",
+                           *calibrate, "--out", str(tmp_path / "two.json")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "two.json").read_text() == (tmp_path / "one.json").read_text()
+    assert done.stdout.count("compresskv profile for tiny-llama (4/4 samples used)") == 1
+    assert "2 processes share the prompts" in done.stderr

@@ -68,15 +68,25 @@ def run(args: argparse.Namespace) -> int:
         raise ZoomKVError("need --window ≥ 1, --kernel-size ≥ 1, --answer-tokens ≥ 0 and --samples ≤ 100000")
     if args.out and Path(args.out).is_dir():
         raise ZoomKVError(f"--out {args.out} is a folder; give the profile file's path")
-    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
+    from zoomkv.eval.shards import join_processes
+
+    procs = join_processes(args.device)  # under accelerate launch / torchrun: the prompts are shared out
+    if not procs.main:
+        procs.wait()  # the main process loads first: a first load converts and caches the model
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype),
+                                  device=procs.device or resolve_device(args.device))
+    if procs.main:
+        procs.wait()
     if args.length + max(args.answer_tokens, 0) > context_limit(model):
         raise ZoomKVError(f"--length {args.length} is over {args.model}'s maximum context of {context_limit(model)}")
     profile = calibrate(
         model, tokenizer, model_name=args.model, samples=args.samples, length=args.length,
         top_heads=args.top_heads, error_budget=args.error_budget, window=args.window,
         kernel_size=args.kernel_size, answer_tokens=args.answer_tokens, accept_all=args.accept_all, chat=args.chat,
-        progress=False if getattr(args, "quiet", False) else None,
+        progress=False if getattr(args, "quiet", False) or not procs.main else None, processes=procs,
     )
+    if not procs.main:
+        return 0  # the main process writes the one profile
     path = Path(args.out) if args.out else default_profile_path(args.model)
     save_profile(profile, path)
     used, total = profile["used"], profile["samples"]
@@ -228,9 +238,12 @@ def calibrate(
     accept_all: bool = False,
     chat: bool = False,
     progress: bool | None = None,
+    processes: Any = None,
 ) -> dict[str, Any]:
     """The profile (a JSON-ready dict). ``progress``: a bar over the samples on stderr (None: when stderr
-    is a terminal)."""
+    is a terminal). ``processes`` (``zoomkv.eval.shards.Processes``): this process decodes samples i with
+    i mod N = its rank; every sample's contribution is summed across processes, then over the samples in
+    order, so the profile is the one a single process computes, bit for bit."""
     from tqdm.auto import tqdm
 
     from zoomkv.data.passkey import passkey_prompt
@@ -243,11 +256,12 @@ def calibrate(
     num_layers, q_heads = len(types), int(config.num_attention_heads)
     previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
     compat.set_attention(model, ATTENTION_NAME)
-    head_sum = torch.zeros(num_layers, q_heads, dtype=torch.float64)
-    err_sum = torch.zeros(num_layers, dtype=torch.float64)
-    used = 0
-    bar = tqdm(range(samples), desc="calibrate compresskv", unit="sample",
-               disable=None if progress is None else not progress)
+    # one row per sample, filled by the process that decodes it (zeros elsewhere and for unused samples)
+    head_rows = torch.zeros(samples, num_layers, q_heads, dtype=torch.float64)
+    err_rows = torch.zeros(samples, num_layers, dtype=torch.float64)
+    used_rows = torch.zeros(samples, dtype=torch.float64)
+    mine = [i for i in range(samples) if processes is None or processes.mine(i)]
+    bar = tqdm(mine, desc="calibrate compresskv", unit="sample", disable=None if progress is None else not progress)
     try:
         for i in bar:
             prompt = passkey_prompt(tokenizer, length, depth=(i + 0.5) / samples, seed=i)
@@ -266,16 +280,25 @@ def calibrate(
             answer = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
             if not accept_all and prompt.answer not in answer:
                 continue
-            used += 1
-            bar.set_postfix(used=used)
+            used_rows[i] = 1
+            bar.set_postfix(used=int(used_rows.sum()))
             for layer in full_layers:
                 n = max(recorder.steps.get(layer, 0), 1)
                 if layer in recorder.mass:
-                    head_sum[layer] += recorder.mass[layer].double().cpu() / n
-                err_sum[layer] += recorder.error.get(layer, 0.0) / n
+                    head_rows[i, layer] = recorder.mass[layer].double().cpu() / n
+                err_rows[i, layer] = recorder.error.get(layer, 0.0) / n
     finally:
         bar.close()
         compat.set_attention(model, previous)
+    if processes is not None:
+        head_rows, err_rows, used_rows = (processes.sum(t) for t in (head_rows, err_rows, used_rows))
+    head_sum = torch.zeros(num_layers, q_heads, dtype=torch.float64)
+    err_sum = torch.zeros(num_layers, dtype=torch.float64)
+    for i in range(samples):  # in sample order: the sums one process adds up as it goes
+        if used_rows[i]:
+            head_sum += head_rows[i]
+            err_sum += err_rows[i]
+    used = int(used_rows.sum())
     if used == 0:
         raise ZoomKVError(
             f"{model_name} answered none of the {samples} passkey samples, so no head can be scored; try more "

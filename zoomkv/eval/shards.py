@@ -1,4 +1,4 @@
-"""An evaluation split across processes: ``accelerate launch --num_processes N -m zoomkv eval ...`` or
+"""An evaluation (or a calibration) split across processes: ``accelerate launch --num_processes N -m zoomkv eval ...`` or
 ``torchrun --nproc_per_node N -m zoomkv eval ...`` (several machines: the launchers' own ``--num_machines`` /
 ``--nnodes``).
 
@@ -57,6 +57,16 @@ class Processes:
     def mine(self, index: int) -> bool:
         """Whether prompt batch ``index`` (in the plan's order) is this process's."""
         return index % self.world == self.rank
+
+    def sum(self, tensor: Any) -> Any:
+        """``tensor`` summed over the processes (each holding its share, zeros elsewhere: the sum is exact)."""
+        if self.world == 1:
+            return tensor
+        import torch.distributed as dist
+
+        total = tensor.to(self.state.device)  # NCCL reduces on the GPU, gloo on the CPU
+        dist.all_reduce(total)
+        return total.to(tensor.device)
 
 
 def join_processes(device: str = "auto") -> Processes:
