@@ -1,12 +1,13 @@
 # make demo  — set everything up from a fresh clone and run the main job on the embedded default model
-# make test  — set everything up and run the test suite (slow real-model tests included)
+# make test  — set everything up and run the test suite (slow real-model tests included): what CI runs
+# make check — lint and the fast tier (every part on tiny models, in this process): about 2 minutes
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zoomkv-installed
 # The CPU wheel this machine serves; on a GPU host override it, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench clean install-gemma
+.PHONY: install demo test check test-fast lint bench clean install-gemma
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +29,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+# The fast tier leaves out the tests marked `slow` (a real model) and `heavy` (training or launcher
+# subprocesses, DeepSpeed, the long eval matrix); `pytest -m "slow or heavy"` runs just those.
+FAST := -m "not slow and not heavy"
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra $(FAST)
+
+check: $(STAMP)
+	$(VENV)/bin/ruff check zoomkv tests
+	$(PY) -m pytest -q -ra $(FAST)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zoomkv tests

@@ -21,7 +21,7 @@ def tiny(request):
     """A tiny random model and its tokenizer, loaded fresh for each test module (tests may change it).
 
     tiny-llama, unless the module sets ``TINY_MODELS = [...]``: then every test that uses ``tiny`` runs once
-    per name (module-scoped, so each model loads once). ``TINY_DEVICE`` in the module puts it on a device.
+    per name (module-scoped, so each model loads once; the fast tier only on the first, see below). ``TINY_DEVICE`` in the module puts it on a device.
     """
     from zoomkv.models import load_model
 
@@ -31,4 +31,8 @@ def tiny(request):
 def pytest_generate_tests(metafunc):
     names = getattr(metafunc.module, "TINY_MODELS", None)
     if names and "tiny" in metafunc.fixturenames:
-        metafunc.parametrize("tiny", names, indirect=True, scope="module")
+        # The fast tier (`make check`) runs a module's matrix on its first model; the other layouts run in
+        # `make test` (marked heavy), unless the module sets TINY_MODELS_FAST = "all" (the layout checks).
+        every = getattr(metafunc.module, "TINY_MODELS_FAST", "first") == "all"
+        params = [pytest.param(n, marks=() if every or i == 0 else pytest.mark.heavy) for i, n in enumerate(names)]
+        metafunc.parametrize("tiny", params, indirect=True, scope="module", ids=names)

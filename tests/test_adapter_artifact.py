@@ -347,6 +347,7 @@ def test_crash_during_overwrite_keeps_previous_adapter(tmp_path, probe_method, l
     ZoomAdapter.from_pretrained(first)
 
 
+@pytest.mark.heavy
 def test_sigkill_during_export_then_rerun(tmp_path, probe_method, llama):
     """A real kill: a subprocess exports and SIGKILLs itself right after the staging folder is renamed
     onto the target, before the incomplete marker is removed (the last moment anything could go wrong)."""

@@ -240,6 +240,7 @@ def test_base_model_recorded_as_its_hub_id_and_old_names_still_load(tmp_path, re
     assert peft_run(peft_model, tok) == run(model, tok, adapter)
 
 
+@pytest.mark.heavy
 def test_import_zoomkv_registers_with_peft_after_a_probe():
     """transformers asks importlib whether peft is installed (find_spec) before anything imports it: that probe
     must not use up the hook that registers zoomkv with PEFT when peft is imported for real."""

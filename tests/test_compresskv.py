@@ -26,6 +26,7 @@ from zoomkv.protocol.method import PrefillContext
 
 FAMILIES = ["tiny-llama", "tiny-gemma3"]
 TINY_MODELS = FAMILIES
+TINY_MODELS_FAST = "all"  # cheap: every layout in the fast tier too
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,7 @@ def test_infinitebench_choice():
     assert infbench_choice("", label) == 0.0
 
 
+@pytest.mark.heavy
 def test_jieba_prints_nothing():
     code = "from zoomkv.eval.metrics import rouge_l_zh; print(rouge_l_zh('我爱北京天安门', ['北京']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -65,6 +65,7 @@ def test_length_with_byte_tokenizer(byte_tok, essays, chat):
     _check_lengths(byte_tok, [1024, 3000], chat, essays)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat,lengths", [(False, [1024, 4096]), (True, [2048])])
 def test_length_with_smollm2_tokenizer(smol_tok, chat, lengths):
     _check_lengths(smol_tok, lengths, chat, None)

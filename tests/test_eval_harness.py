@@ -201,6 +201,7 @@ def test_method_variants_parse_and_refuse():
         split_variants("quest+int8+int4")
 
 
+@pytest.mark.heavy
 def test_every_method_runs_every_synthetic_task_at_128_and_512(tmp_path, tiny):
     """Each registered method (those needing a calibration profile are covered in their own files) on all
     of RULER's synthetic families at budgets 128 and 512: rows for every cell, none over budget."""

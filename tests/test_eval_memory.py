@@ -54,8 +54,12 @@ def _runs() -> list[CacheSpec]:
             CacheSpec.build("snapkv", 48)]
 
 
-@pytest.mark.parametrize("agnostic", [True, False], ids=["query-agnostic", "query-aware"])
-@pytest.mark.parametrize("diagnose", [False, True], ids=["plain", "diagnose"])
+@pytest.mark.parametrize("diagnose,agnostic", [  # two of the four in the fast tier, every one in make test
+    pytest.param(False, True, id="plain-query-agnostic"),
+    pytest.param(False, False, id="plain-query-aware", marks=pytest.mark.heavy),
+    pytest.param(True, True, id="diagnose-query-agnostic", marks=pytest.mark.heavy),
+    pytest.param(True, False, id="diagnose-query-aware"),
+])
 def test_generate_methods_frees_every_cache_without_the_cyclic_gc(tiny, made, agnostic, diagnose):
     model, tokenizer = tiny
     for i in range(3):

@@ -42,6 +42,7 @@ def one_process(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.heavy
 def test_two_processes_give_the_rows_of_one(one_process, tmp_path):
     """torchrun --nproc_per_node 2: the merged rows.jsonl is the one-process run's, row for row and in the same
     order (timings aside); no part file is left; the summary says two processes ran; only the main process
@@ -59,6 +60,7 @@ def test_two_processes_give_the_rows_of_one(one_process, tmp_path):
                       for s in json.loads((one_process / "summary.json").read_text())["summary"]]
 
 
+@pytest.mark.heavy
 def test_a_killed_sharded_run_resumes_per_shard(one_process, tmp_path):
     """What a kill leaves: rank 1's part file with its first batch done and a torn last line, rank 0's with
     nothing. accelerate launch (the multi-CPU config) runs only what is missing: the kept rows are not redone
@@ -113,6 +115,7 @@ def test_run_json_records_the_haystack_only_when_a_task_reads_it(tmp_path):
     assert {r["haystack"] for r in rows} == {"noise", "prose (python-docs)"}
 
 
+@pytest.mark.heavy
 def test_calibrate_compresskv_shares_its_prompts(tmp_path):
     """`zoomkv calibrate compresskv` under torchrun with two processes: each decodes every other passkey prompt,
     and the main process writes the profile one process writes, bit for bit."""

@@ -89,6 +89,7 @@ def nan_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return tmp, _train(tmp, script=NAN_AT_STEP_3)
 
 
+@pytest.mark.heavy
 def test_non_finite_loss_stops_the_run_and_saves_nothing_after(nan_run):
     tmp, done = nan_run
     assert done.returncode == 2, done.stderr[-3000:]
@@ -127,6 +128,7 @@ def test_non_finite_gradient_or_update_is_refused():
 # -- 2. resume refuses another base model ----------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_resume_refuses_a_checkpoint_of_another_base_model(nan_run):
     tmp, _ = nan_run
     done = _train(tmp, "resume=latest", "model=tiny-qwen3")
@@ -140,13 +142,22 @@ def test_resume_refuses_a_checkpoint_of_another_base_model(nan_run):
     assert meta["base_model"]["name"] == "tiny-llama"  # not stamped as the new model
 
 
-def test_resume_refuses_same_name_other_shape(nan_run):
+@pytest.fixture(scope="module")
+def step_2_checkpoint(tmp_path_factory) -> Path:
+    """A tiny run trained in this process to its step-2 checkpoint (what the resume checks read)."""
+    tmp = tmp_path_factory.mktemp("run")
+    args = ["--recipe", str(TINY), f"output_dir={tmp / 'runs'}", f"teacher_cache={tmp / 'teacher'}", "num_samples=2",
+            "queries_per_sample=3", "steps=2", "save_every=2", "layers_per_step=2", "--quiet"]
+    assert run_command("train", args, prog="train") == 0
+    return tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
+
+
+def test_resume_refuses_same_name_other_shape(step_2_checkpoint):
     from zoomkv.models import load_model
     from zoomkv.protocol.shape import base_fingerprint
     from zoomkv.train.checkpoints import check_resume
 
-    tmp, _ = nan_run
-    folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
+    folder = step_2_checkpoint
     cfg = load_recipe(TINY)
     check_resume(folder, cfg, base_fingerprint(load_model("tiny-llama")[0], name="tiny-llama"))
     qwen = base_fingerprint(load_model("tiny-qwen3")[0], name="tiny-llama")  # renamed, another architecture
@@ -214,18 +225,17 @@ def test_checkpoint_files_are_verified_too(tmp_path, probe_method, llama):  # no
     assert not (tmp_path / "out").exists()
 
 
-def test_resume_verifies_the_checkpoint_and_optimizer_state(nan_run):
+def test_resume_verifies_the_checkpoint_and_optimizer_state(step_2_checkpoint, tmp_path):
     import torch
 
     from zoomkv.train.checkpoints import OPTIMIZER_NAME, load_checkpoint_state
 
-    tmp, _ = nan_run
-    folder = tmp / "runs" / "sekv-tiny" / "checkpoints" / "step_000002"
+    folder = step_2_checkpoint
     kept = ZoomAdapter.from_pretrained(folder)
     cfg = load_recipe(TINY)
     optimizer = torch.optim.AdamW(cfg.training.param_groups(kept.modules, cfg))
     assert load_checkpoint_state(folder, kept.modules, optimizer) == 2
-    copy = tmp / "flipped"
+    copy = tmp_path / "flipped"
     import shutil
 
     shutil.copytree(folder, copy)
@@ -268,6 +278,7 @@ def test_every_peft_load_path_verifies_the_checksum(tmp_path, probe_method, llam
     PeftModel.from_pretrained(load_model("tiny-llama")[0], str(tmp_path / "peft"))
 
 
+@pytest.mark.heavy
 def test_peft_loads_a_zoomkv_folder_after_just_import_zoomkv(tmp_path, llama):  # noqa: F811
     pytest.importorskip("peft")
     folder = ZoomAdapter.initialise(llama[0], "sekv", {"code_bits": 1, "rotation_seed": 8},
@@ -296,6 +307,7 @@ def _sekv_folder(tmp_path: Path, model) -> Path:
     return adapter.save_pretrained(tmp_path / "sekv")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("head_dim", [10**9, 2 * 10**7])
 def test_huge_sizes_in_an_adapter_config_are_refused_before_allocating(tmp_path, llama, head_dim):  # noqa: F811
     folder = _sekv_folder(tmp_path, llama[0])

@@ -15,7 +15,7 @@ RUNS = [CacheSpec.build("full")] + [
 ]
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("family", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.heavy)])
 def test_replay_equals_running_each_method(family):
     model, tok = load_model(family)
     prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs."]

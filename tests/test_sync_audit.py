@@ -36,7 +36,9 @@ KNOWN_SYNCING = {
 }
 
 DECODE_STEPS = 20  # crosses Quest's page boundaries, sekv's chunk summaries and clusterkv's reclustering
-CASES = [("tiny-llama", (90, 61)), ("tiny-llama", (90,)), ("tiny-gemma3", (90, 61))]
+# Gemma 3's layout (sliding layers) in make test; the fast tier audits every method on Llama's
+CASES = [("tiny-llama", (90, 61)), ("tiny-llama", (90,)),
+         pytest.param("tiny-gemma3", (90, 61), marks=pytest.mark.heavy)]
 
 
 def _params():

@@ -128,6 +128,7 @@ def _run(tmp_path: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.heavy
 def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     full = _run(tmp_path, "a")
     assert full.returncode == 0, full.stderr[-2000:]
@@ -170,6 +171,7 @@ def test_loss_decreases_and_resume_after_sigkill_is_bitwise(tmp_path):
     assert main(["--recipe", str(TINY), "--eval-only", f"output_dir={tmp_path / 'nothing'}"]) == 2
 
 
+@pytest.mark.heavy
 def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
     """`accelerate launch --config_file recipes/accelerate/multi_cpu.yaml`: two gloo processes train one adapter."""
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -194,6 +196,7 @@ def test_two_processes_with_the_multi_cpu_launcher(tmp_path):
         torch.testing.assert_close(single[name], tensor, atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.heavy
 def test_tensorboard_logs_the_losses(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

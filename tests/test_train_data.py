@@ -98,7 +98,13 @@ def test_bad_data_is_one_line(tmp_path):
     bad.write_text('{"text": "unterminated\n')
     with pytest.raises(ZoomKVError, match="cannot load data source"):
         load_corpus(load_recipe(TINY, [f"data={bad}"]))
-    # through the CLI: one line, exit 2, before any model loads
+
+
+@pytest.mark.heavy
+def test_bad_data_through_the_cli_is_one_line(tmp_path):
+    """``python -m zoomkv.train``: one line, exit 2, before any model loads."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"body": STORY}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "zoomkv.train", "--recipe", str(TINY), f"data={rows}",
                            f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'zoomkv[deepspeed]')")
+pytestmark = pytest.mark.heavy  # launcher subprocesses; the first compiles DeepSpeed's comm op
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"

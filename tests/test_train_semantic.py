@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import greedy, padded_batch
@@ -70,6 +71,7 @@ def test_collision_probability_is_simhash_collision_rate():
     assert abs(hits - expected) < 0.04, (hits, expected)
 
 
+@pytest.mark.heavy
 def test_training_moves_equivalent_pairs_together_and_the_adapter_runs(tmp_path):
     args = [sys.executable, "-m", "zoomkv.train", "--recipe", str(RECIPE), f"output_dir={tmp_path}"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -95,6 +97,7 @@ def test_training_moves_equivalent_pairs_together_and_the_adapter_runs(tmp_path)
     assert calls, "the trained projector was never used to hash the rows"
 
 
+@pytest.mark.heavy
 def test_training_a_correction_of_the_per_sequence_pca(tmp_path):
     """``design=pca_correction``: the module trained is the correction of the PCA's input (the identity at
     its start, so its fresh score is the untrained method's); the loss falls and the adapter runs."""
