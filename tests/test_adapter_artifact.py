@@ -380,13 +380,19 @@ export_checkpoint({str(ckpt)!r}, {str(out)!r})
 
 
 def test_stale_staging_of_a_dead_export_is_swept(tmp_path, probe_method, llama):
+    from zoomkv.atomic import mark_owned
+
     ckpt = _checkpoint(tmp_path, llama[0])
     parent = tmp_path / "checkpoints"
     stale = parent / ".probe.partial-999999999-abcd"  # a pid no process has: its export was killed
-    stale.mkdir(parents=True)
-    (stale / WEIGHTS_NAME).write_bytes(b"half")
+    (stale / "probe").mkdir(parents=True)
+    mark_owned(stale)  # the working folders an export makes carry this mark from their first moment
+    (stale / "probe" / WEIGHTS_NAME).write_bytes(b"half")
+    theirs = parent / ".probe.partial-999999998-user"  # the same kind of name, not made by zoomkv: kept
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
     export_checkpoint(ckpt, parent / "probe")
-    assert [p.name for p in parent.iterdir()] == ["probe"]
+    assert sorted(p.name for p in parent.iterdir()) == [".probe.partial-999999998-user", "probe"]
 
 
 def test_checkpoint_errors(tmp_path, probe_method, llama):

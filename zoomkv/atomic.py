@@ -1,30 +1,169 @@
-"""Folders written all or nothing: finished in a staging folder next to the target, then put in place
-with renames only. The model cache (``models/gguf.py``) and adapter folders (``adapters/files.py``) both
-install through ``replace_folder``."""
+"""Folders written all or nothing, and the working folders that takes: a folder is finished in a staging
+folder next to the target, then put in place with renames only. The model cache (``models/gguf.py``) and
+adapter folders (``adapters/files.py``) both install through ``replace_folder``.
+
+Every working folder zoomkv makes beside a target (``.NAME.partial-PID-R`` while writing, ``.NAME.old-PID-R``
+holding the folder being replaced) is made by ``owned_folder``: a mark inside names the folder itself from
+its first moment. A later run removes only marked folders of dead processes (``settle_leftovers``); a folder
+that merely matches the name (``.notes.old-2024``, the user's) is never touched, and no name goes into a glob.
+A folder moved aside by a replace killed between its two renames is put back when the target is missing,
+and kept (with a warning saying where) when it holds a file the target does not.
+"""
 
 from __future__ import annotations
 
+import filecmp
+import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 
-def replace_folder(staged: Path, target: Path, aside: Path) -> None:
+OWNED_MARK = ".zoomkv-owned"
+STAGING_TAG = ".partial-"
+ASIDE_TAG = ".old-"
+
+
+def _mark_text(folder: Path) -> str:
+    return f"zoomkv working folder {folder.name}\n"
+
+
+def mark_owned(folder: Path) -> None:
+    """Mark ``folder`` as a working folder of ours (the mark names the folder: a copy or a rename is not)."""
+    with open(folder / OWNED_MARK, "x", encoding="utf-8") as f:
+        f.write(_mark_text(folder))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def owned_folder(parent: Path, name: str, tag: str) -> Path:
+    """A new, marked, hidden working folder ``.{name}{tag}{pid}-{random}`` in ``parent``."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{name}{tag}{os.getpid()}-", dir=parent))
+    try:
+        mark_owned(folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # unmarked: nothing would ever remove it
+        raise
+    return folder
+
+
+def is_owned(folder: Path) -> bool:
+    """``folder`` is a working folder zoomkv made (its mark, a plain file, names this very folder)."""
+    mark = folder / OWNED_MARK
+    try:
+        if folder.is_symlink() or mark.is_symlink() or not mark.is_file() or mark.stat().st_size > 4096:
+            return False
+        return mark.read_text(encoding="utf-8") == _mark_text(folder)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _leftovers(parent: Path, name: str, tag: str) -> list[Path]:
+    """Marked working folders ``.{name}{tag}PID-...`` in ``parent`` whose process is gone (or is this one: a
+    process writes one target at a time). The names are compared as strings, never globbed."""
+    prefix = f".{name}{tag}"
+    found = []
+    try:
+        entries = sorted(os.scandir(parent), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or (int(pid) != os.getpid() and pid_alive(int(pid))):
+            continue  # not one of ours, or its writer is running right now
+        if is_owned(Path(entry.path)):
+            found.append(Path(entry.path))
+    return found
+
+
+def _held_elsewhere(old: Path, new: Path, ours: set[str]) -> list[str]:
+    """Files under ``old`` that ``new`` does not hold (the same file, hard-linked, or the same bytes); top-level
+    names in ``ours`` (files the writer replaces) do not count."""
+    missing = []
+    for root, dirs, files in os.walk(old):
+        rel_root = Path(root).relative_to(old)
+        for item in [*files, *(d for d in dirs if (Path(root) / d).is_symlink())]:
+            rel = rel_root / item
+            if rel_root == Path(".") and item in ours:
+                continue
+            src, dst = old / rel, new / rel
+            try:
+                if src.is_symlink():
+                    same = dst.is_symlink() and os.readlink(src) == os.readlink(dst)
+                else:
+                    same = dst.is_file() and (os.path.samefile(src, dst) or filecmp.cmp(src, dst, shallow=False))
+            except OSError:
+                same = False
+            if not same:
+                missing.append(str(rel))
+    return missing
+
+
+def settle_leftovers(parent: Path, name: str, ours: Iterable[str] = ()) -> None:
+    """Before writing ``parent/name``: clear what killed writers of it left, losing nothing.
+
+    An aside folder (the old ``name`` moved away by ``replace_folder``) is put back when ``name`` is missing
+    (the kill fell between the two renames), deleted when ``name`` holds every file it holds (names in
+    ``ours``, the writer's own files, aside), and otherwise kept with a warning saying where it is. Staging
+    folders of dead processes are then deleted: what they hold besides new files is hard links (or copies) of
+    files still in ``name`` or an aside folder."""
+    target = parent / name
+    ours = set(ours) | {OWNED_MARK}
+    for aside in _leftovers(parent, name, ASIDE_TAG):
+        old = aside / name
+        if old.exists() or old.is_symlink():
+            if not (target.exists() or target.is_symlink()):
+                os.replace(old, target)
+                log.warning("put %s back from %s, where an interrupted write had moved it", target, aside)
+            else:
+                missing = _held_elsewhere(old, target, ours) if old.is_dir() and not old.is_symlink() else [name]
+                if missing:
+                    log.warning("kept %s: an interrupted write left there an earlier %s holding %s, which %s "
+                                "does not; move what you need out of it, then delete it", old, name,
+                                ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""), target)
+                    continue
+        shutil.rmtree(aside, ignore_errors=True)
+    for staging in _leftovers(parent, name, STAGING_TAG):
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_folder(staged: Path, target: Path) -> None:
     """Put the finished folder ``staged`` at ``target`` so a reader sees the old folder, nothing, or the new
-    one, never a partial one. An existing ``target`` is first renamed to ``aside`` (rename(2) cannot replace
-    a non-empty folder) and deleted once the new one is in place; if the new one cannot be put in place,
-    the old one is put back."""
-    moved = False
-    if target.exists():
-        os.replace(target, aside)
-        moved = True
+    one, never a partial one. An existing ``target`` is first moved into a marked aside folder
+    (``.NAME.old-PID-R/NAME``: rename(2) cannot replace a non-empty folder), which is deleted once the new one
+    is in place; if the new one cannot be put in place, the old one is put back. A kill between the two
+    renames leaves the old folder whole in the aside folder, and the next ``settle_leftovers`` puts it back."""
+    aside = None
+    if target.exists() or target.is_symlink():
+        aside = owned_folder(target.parent, target.name, ASIDE_TAG)
+        try:
+            os.replace(target, aside / target.name)
+        except BaseException:
+            shutil.rmtree(aside, ignore_errors=True)
+            raise
     try:
         os.replace(staged, target)
     except BaseException:
-        if moved and not target.exists():
-            os.replace(aside, target)
+        if aside is not None and not (target.exists() or target.is_symlink()):
+            os.replace(aside / target.name, target)
+            shutil.rmtree(aside, ignore_errors=True)
         raise
-    if moved:
+    if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
 

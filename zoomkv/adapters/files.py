@@ -1,30 +1,34 @@
-"""Writing an adapter folder so that a crash never leaves a half adapter behind.
+"""Writing an adapter folder so that a crash never leaves a half adapter behind, nor loses a user's file.
 
-Everything is written into a hidden staging folder next to the target, fsynced, then renamed onto the
-target in one ``rename(2)``. Replacing a folder replaces only the files being written: any other file in
-it (the user's) is hard-linked (or copied) into the staging folder first, so it is there after the rename
-and nothing but the old copies of our own files is deleted. The staging folder carries an ``.zoomkv-incomplete`` marker from its first
-byte until after the rename, and the loader refuses any folder with that marker: a kill at any point
-(mid-write, between the rename and the marker's removal) leaves nothing that loads. The next export of
-the same name sweeps staging folders of dead processes and replaces a marked target without needing
-``overwrite``.
+Everything is written into a staging folder inside a marked working folder next to the target
+(``zoomkv.atomic.owned_folder``), fsynced, then renamed onto the target (``replace_folder``). Replacing a folder
+replaces only the files being written: any other file in it (the user's) is hard-linked (or copied) into the
+staging folder first, so it is there after the rename and nothing but the old copies of our own files is
+deleted. Only a folder zoomkv wrote (an adapter, a training checkpoint, an interrupted export) is ever replaced,
+and only with ``overwrite``; a folder of anything else is refused, empty folders aside. The staging folder
+carries an ``.zoomkv-incomplete`` marker from its first byte until after the rename, and the loader refuses any
+folder with that marker: a kill at any point (mid-write, between the renames, before the marker's removal)
+leaves nothing that loads, and nothing of the user's only in a folder a later run deletes. The next export of
+the same name puts back a folder a kill left aside, sweeps the marked working folders of dead processes, and
+replaces a marked target without needing ``overwrite``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from zoomkv.adapters.errors import AdapterExistsError
-from zoomkv.atomic import follow_umask, replace_folder
+from zoomkv.atomic import STAGING_TAG, owned_folder, replace_folder, settle_leftovers
 
 INCOMPLETE_MARKER = ".zoomkv-incomplete"
-_STAGING_TAG = ".partial-"
-_OLD_TAG = ".old-"
+# what identifies a folder zoomkv wrote: an adapter's config, a training checkpoint's meta (names as in
+# config.py / checkpoint.py, which import this module)
+_CONFIG_NAME, _META_NAME = "adapter_config.json", "adapter_meta.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,28 +48,35 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale(parent: Path, name: str) -> None:
-    """Remove staging / replaced folders of ``name`` left by exports whose process is gone."""
-    for tag in (_STAGING_TAG, _OLD_TAG):
-        for path in parent.glob(f".{name}{tag}*"):
-            pid_part = path.name[len(f".{name}{tag}"):].split("-", 1)[0]
-            if pid_part.isdigit() and _pid_alive(int(pid_part)) and int(pid_part) != os.getpid():
-                continue  # another export of the same name is running right now
-            shutil.rmtree(path, ignore_errors=True)
+def sweep_stale(parent: Path, name: str, ours: set[str] | frozenset[str] = frozenset()) -> None:
+    """Put back or remove what exports of ``name`` killed midway left (marked working folders only)."""
+    settle_leftovers(parent, name, {*ours, INCOMPLETE_MARKER})
 
 
 def is_incomplete(folder: Path) -> bool:
     return (folder / INCOMPLETE_MARKER).exists()
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 16 << 20:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """A folder zoomkv wrote: an adapter (its ``adapter_config.json`` is zoomkv's), a training checkpoint (its
+    ``adapter_meta.json``), or an export that was interrupted (the incomplete marker)."""
+    if is_incomplete(folder):
+        return True
+    config = _json_object(folder / _CONFIG_NAME)
+    if config is not None and (config.get("library_name") == "zoomkv" or {"format_version", "method"} <= set(config)):
+        return True
+    meta = _json_object(folder / _META_NAME)
+    return meta is not None and {"method", "state_sha256"} <= set(meta)
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -87,20 +98,33 @@ def keep_other_files(old: Path, staging: Path, ours: set[str]) -> None:
             _link_or_copy(str(entry), str(staging / entry.name))
 
 
+def check_target(out: Path, *, overwrite: bool) -> None:
+    """Refuse a target that is not ours to replace: a file, a folder zoomkv did not write (unless empty), or
+    an adapter without ``overwrite`` (an interrupted export is replaced without it)."""
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise AdapterExistsError(f"{out} exists and is not a folder (it is never replaced)")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not is_adapter_folder(out):
+        raise AdapterExistsError(f"{out} is a folder of other files, not an adapter (no zoomkv "
+                                 f"{_CONFIG_NAME}): --overwrite replaces an adapter, never another folder; "
+                                 "choose another --out")
+    if not overwrite and not is_incomplete(out):
+        raise AdapterExistsError(f"{out} already exists (pass --overwrite to replace it)")
+
+
 def write_folder_atomically(out: str | Path, files: Mapping[str, bytes], *, overwrite: bool = False) -> Path:
-    """Write ``files`` (name → bytes, in order) as the folder ``out``, all or nothing. Over an existing folder
-    (``overwrite``) only those files are replaced; other files in it are kept."""
+    """Write ``files`` (name → bytes, in order) as the folder ``out``, all or nothing. Over an existing
+    adapter folder (``overwrite``) only those files are replaced; other files in it are kept."""
     out = Path(out)
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(parent, out.name)
-    if (out.exists() or out.is_symlink()) and not out.is_dir():
-        raise AdapterExistsError(f"{out} exists and is not a folder (it is never replaced)")
-    if out.exists() and not overwrite and not is_incomplete(out):
-        raise AdapterExistsError(f"{out} already exists (pass --overwrite to replace it)")
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING_TAG}{os.getpid()}-", dir=parent))
+    sweep_stale(parent, out.name, set(files))
+    check_target(out, overwrite=overwrite)
+    work = owned_folder(parent, out.name, STAGING_TAG)
     try:
-        follow_umask(staging)  # mkdtemp makes it 0700; the folder it becomes is made as mkdir would
+        staging = work / out.name
+        staging.mkdir()  # as mkdir makes any folder: the umask's mode
         _write_file(staging / INCOMPLETE_MARKER, b"export in progress\n")
         for name, data in files.items():
             _write_file(staging / name, data)
@@ -108,11 +132,10 @@ def write_folder_atomically(out: str | Path, files: Mapping[str, bytes], *, over
             keep_other_files(out, staging, {*files, INCOMPLETE_MARKER})
         _fsync_dir(staging)
         # A failed overwrite changes nothing: the previous adapter is put back.
-        replace_folder(staging, out, parent / f".{out.name}{_OLD_TAG}{os.getpid()}-{os.urandom(4).hex()}")
+        replace_folder(staging, out)
         _fsync_dir(parent)
         (out / INCOMPLETE_MARKER).unlink()
         _fsync_dir(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out

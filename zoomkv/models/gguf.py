@@ -9,6 +9,7 @@ is written in a staging folder and installed with renames only, so a reader neve
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from zoomkv.atomic import follow_umask_tree, replace_folder
+from zoomkv.atomic import follow_umask_tree, replace_folder, settle_leftovers
 from zoomkv.errors import ModelNotFoundError, ZoomKVError
 from zoomkv.models.registry import ModelSpec
 from zoomkv.models.tokenizer import ensure_pad_token
@@ -218,8 +219,9 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
 def _sweep_stale_staging(parent: Path, name: str) -> None:
     """Remove staging folders a killed conversion left behind (they can hold a gigabyte)."""
+    settle_leftovers(parent, name)  # an old cache folder a kill left aside mid-replace: back, or away
     now = time.time()
-    for leftover in parent.glob(f".{name}.staging-*"):
+    for leftover in parent.glob(f"{glob.escape('.' + name)}.staging-*"):
         with contextlib.suppress(OSError):
             if now - leftover.stat().st_mtime > _STALE_STAGING_S:
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -236,7 +238,7 @@ def _install_atomically(staged: Path, target: Path, fingerprint: dict[str, Any])
     if _cache_is_complete(target, fingerprint):
         return  # another process finished the same conversion first; ours is discarded with staging
     # A stale or incomplete folder is in the way: it goes aside (atomic), then away.
-    replace_folder(staged, target, target.with_name(f".{target.name}.staging-old-{os.getpid()}-{time.time_ns()}"))
+    replace_folder(staged, target)
 
 
 def _build_cache(name: str, fingerprint: dict[str, Any], convert: Callable[[Path, Path], None]) -> Path:

@@ -1,0 +1,134 @@
+"""Users' files (issue 32, data loss; issue 31, a re-run ``run_name``): a command writes only inside the folder
+it was told to write, never deletes or replaces a file it did not write — not beside its output, not inside a
+folder that holds no output of ours, not after a kill at any rename — and no name from a recipe points
+outside the run's folder.
+
+A kill is simulated in a forked child that SIGKILLs itself at its n-th ``os.replace`` / ``os.rename`` (every
+rename the writers make goes through one of them): fast, and as abrupt as a real one (no ``finally`` runs)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+from tests.test_adapter_artifact import fresh_adapter, llama, probe_method  # noqa: F401  (fixtures)
+from zoomkv.adapters.config import WEIGHTS_NAME
+from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.cli import main
+
+
+def killed_at_rename(n: int, action: Callable[[], object]) -> bool:
+    """Run ``action`` in a forked child that is SIGKILLed just before its ``n``-th rename; True when the kill
+    came (False: ``action`` made fewer renames and finished)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            count = 0
+            real_replace, real_rename = os.replace, os.rename
+
+            def counted(real):
+                def rename(*args, **kwargs):
+                    nonlocal count
+                    count += 1
+                    if count == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return real(*args, **kwargs)
+                return rename
+
+            os.replace, os.rename = counted(real_replace), counted(real_rename)
+            action()
+        except BaseException:
+            os._exit(3)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.WEXITSTATUS(status) == 0, f"the child failed before its rename {n}"
+    return False
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# -- export: only folders zoomkv made are swept; only an adapter is replaced ------------------------------
+
+
+def test_export_sweeps_only_working_folders_it_made(tmp_path, probe_method, llama, capsys):  # noqa: F811
+    """Folders beside the output whose names merely look like export's working folders (``.NAME.old-N``,
+    ``.NAME.partial-N``, any N) are the user's; an output name with glob characters globs nothing."""
+    new = fresh_adapter(llama[0], seed=2).save_pretrained(tmp_path / "new")
+    kx = tmp_path / "kx2"
+    kx.mkdir()
+    planted = [tmp_path / ".myadapter.old-2024", tmp_path / ".myadapter.partial-2025-x", kx / ".settings.old-backup",
+               kx / ".settings.partial-77", kx / ".x.old-1"]
+    for folder in planted:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    for out in (tmp_path / "myadapter", kx / "*", kx / "[a-z]*"):
+        assert main(["export", str(new), "--out", str(out)]) == 0
+        assert main(["export", str(new), "--out", str(out), "--overwrite"]) == 0
+        for folder in planted:
+            assert (folder / "notes.txt").read_text() == "mine", folder
+    capsys.readouterr()
+    assert sorted(p.name for p in kx.iterdir()) == sorted([".settings.old-backup", ".settings.partial-77",
+                                                           ".x.old-1", "*", "[a-z]*"])
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_adapter(tmp_path, probe_method, llama, capsys):  # noqa: F811
+    new = fresh_adapter(llama[0], seed=2).save_pretrained(tmp_path / "new")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("my readme")
+    (mine / "adapter_config.json").write_text('{"mine": true}')  # a config of something else
+    for flags in ([], ["--overwrite"]):
+        assert main(["export", str(new), "--out", str(mine), *flags]) == 2
+        line = one_error_line(capsys)
+        assert str(mine) in line and ("not an adapter" in line if flags else True), line
+        assert (mine / "README.md").read_text() == "my readme"
+        assert sorted(p.name for p in mine.iterdir()) == ["README.md", "adapter_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "new"]
+    empty = tmp_path / "empty"  # an empty folder loses nothing: written into, with or without --overwrite
+    empty.mkdir()
+    assert main(["export", str(new), "--out", str(empty)]) == 0
+    ZoomAdapter.from_pretrained(empty)
+
+
+def test_a_kill_between_the_renames_loses_nothing(tmp_path, probe_method, llama, caplog):  # noqa: F811
+    """Killed after the old adapter went aside and before the new one took its place: the output is missing.
+    The next export puts the old folder (the user's file in it) back before anything else, then replaces it."""
+    model = llama[0]
+    out = fresh_adapter(model, seed=1).save_pretrained(tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    new = fresh_adapter(model, seed=2)
+    assert killed_at_rename(2, lambda: new.save_pretrained(out, overwrite=True))
+    assert not out.exists()  # the state a kill there leaves: the old folder is aside, the new one staged
+    with caplog.at_level(logging.WARNING, logger="zoomkv"):
+        new.save_pretrained(out, overwrite=True)
+    assert "put " in caplog.text and "back" in caplog.text
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / WEIGHTS_NAME).read_bytes() == new.serialise()[WEIGHTS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_kill_between_the_renames_then_a_new_folder_keeps_the_old_one(tmp_path, probe_method, llama,  # noqa: F811
+                                                                         caplog):
+    """When the output was made again before the next export (by the user), the folder left aside still holds
+    a file the new one does not: it is kept, and a warning says where."""
+    model = llama[0]
+    out = fresh_adapter(model, seed=1).save_pretrained(tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    new = fresh_adapter(model, seed=2)
+    assert killed_at_rename(2, lambda: new.save_pretrained(out, overwrite=True))
+    out.mkdir()
+    with caplog.at_level(logging.WARNING, logger="zoomkv"):
+        new.save_pretrained(out)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+    assert len(kept) == 1 and (kept[0] / "out" / "notes.txt").read_text() == "mine"
+    assert f"kept {kept[0] / 'out'}" in caplog.text and "notes.txt" in caplog.text
+    ZoomAdapter.from_pretrained(out)
