@@ -12,11 +12,16 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from tests.test_adapter_artifact import fresh_adapter, llama, probe_method  # noqa: F401  (fixtures)
 from zoomkv.adapters.config import WEIGHTS_NAME
 from zoomkv.adapters.model import ZoomAdapter
-from zoomkv.cli import main
+from zoomkv.cli import main, run_command
+from zoomkv.errors import ConfigError
+from zoomkv.train.config import load_recipe
 
 
 def killed_at_rename(n: int, action: Callable[[], object]) -> bool:
@@ -132,3 +137,84 @@ def test_a_kill_between_the_renames_then_a_new_folder_keeps_the_old_one(tmp_path
     assert len(kept) == 1 and (kept[0] / "out" / "notes.txt").read_text() == "mine"
     assert f"kept {kept[0] / 'out'}" in caplog.text and "notes.txt" in caplog.text
     ZoomAdapter.from_pretrained(out)
+
+
+# -- train: names from a recipe stay in the run's folder; a run folder is new, empty or the run's own -------
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny-llama-sekv.yaml"
+FAST = ["num_samples=2", "queries_per_sample=3", "steps=2", "save_every=2", "layers_per_step=2", "--quiet"]
+
+
+@pytest.mark.parametrize("name", ["../../victim", "", " ", "/abs/victim", "a/b", "..", ".", "a\\b"])
+def test_run_name_is_one_plain_folder_name(name, tmp_path):
+    with pytest.raises(ConfigError, match="recipe key 'run_name'"):
+        load_recipe(TINY, [f"output_dir={tmp_path}", f"run_name={name}"])
+
+
+@pytest.mark.parametrize("cache", ["/tmp/elsewhere", "../up", "a/../../b", "~/cache"])
+def test_a_recipe_file_keeps_the_teacher_cache_below_the_working_folder(cache, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(TINY.read_text() + f"teacher_cache: {cache!r}\n")
+    with pytest.raises(ConfigError, match="recipe key 'teacher_cache'.*command line"):
+        load_recipe(recipe)
+    assert load_recipe(TINY, [f"teacher_cache={tmp_path / 'mine'}"]).teacher_cache == str(tmp_path / "mine")
+
+
+def test_recipe_names_steer_no_write_into_a_users_folder(tmp_path, monkeypatch, capsys):
+    """``run_name=../../victim``, an empty ``run_name`` and ``teacher_cache=`` a user's folder: one line, exit 2,
+    before the model loads, and the user's report.json / train_config.yaml / meta.json are as they were."""
+    import zoomkv.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(zoomkv.models, "load_model", no_model)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    mine = {"report.json": "mine", "train_config.yaml": "mine: 1\n", "meta.json": '{"mine": 1}', "notes.txt": "x"}
+    for name, text in mine.items():
+        (victim / name).write_text(text)
+    runs = tmp_path / "a" / "b"
+    cases = [[f"output_dir={runs}", "run_name=../../victim"], [f"output_dir={victim}", "run_name="],
+             [f"output_dir={tmp_path / 'runs'}", f"teacher_cache={victim}"],
+             [f"output_dir={tmp_path}", "run_name=victim"]]  # a folder of other files is no run folder
+    for case in cases:
+        assert run_command("train", ["--recipe", str(TINY), *case, *FAST], prog="train") == 2, case
+        line = one_error_line(capsys)
+        assert "run_name" in line or "teacher_cache" in line or "no zoomkv run" in line, line
+        assert {p.name: p.read_text() for p in victim.iterdir()} == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]
+
+
+def _train(tmp: Path, *extra: str) -> int:
+    return run_command("train", ["--recipe", str(TINY), f"output_dir={tmp / 'runs'}",
+                                 f"teacher_cache={tmp / 'teacher'}", *FAST, *extra], prog="train")
+
+
+def test_a_run_name_run_again_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    """Issue 31: a second run of the same run_name without ``resume`` trained into the first one's folder (its
+    steps 2-6 overwritten, its step 8 left for a later ``resume=latest``). Now it is one line unless resumed or
+    ``overwrite=true``, which removes only the earlier run's checkpoints and adapter."""
+    assert _train(tmp_path, "steps=4") == 0
+    run = tmp_path / "runs" / "sekv-tiny"
+    steps = run / "checkpoints"
+    assert sorted(p.name for p in steps.iterdir()) == ["step_000002", "step_000004"]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (run / "notes.txt").write_text("mine")  # the user's, beside and inside the run's folders
+    (steps / "step_000003").mkdir()
+    (steps / "step_000003" / "plan.txt").write_text("mine")
+    capsys.readouterr()
+    assert _train(tmp_path) == 2
+    line = one_error_line(capsys)
+    assert "already holds a run (checkpoints up to step 4 and an adapter)" in line and "overwrite=true" in line
+    assert {p: p.read_bytes() for p in before} == before  # nothing of the earlier run touched
+    assert _train(tmp_path, "overwrite=true", "resume=latest") == 2
+    assert "give one" in one_error_line(capsys)
+    assert _train(tmp_path, "overwrite=true") == 0
+    assert sorted(p.name for p in steps.iterdir()) == ["step_000002", "step_000003"]  # step 4 of the old run: gone
+    assert (run / "notes.txt").read_text() == "mine" and (steps / "step_000003" / "plan.txt").read_text() == "mine"
+    from zoomkv.train.checkpoints import latest_checkpoint
+
+    assert latest_checkpoint(run).name == "step_000002"
+    assert _train(tmp_path, "steps=4", "resume=latest") == 0  # resuming is what it always was

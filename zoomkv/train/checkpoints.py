@@ -18,15 +18,90 @@ import torch
 import yaml
 
 from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, checkpoint_files
-from zoomkv.adapters.files import write_folder_atomically
+from zoomkv.adapters.files import is_adapter_folder, write_folder_atomically
 from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.train.config import TrainConfig
+from zoomkv.train.teacher import check_cache_folder, is_cache_folder
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 TRAINER_NAME = "trainer_state.json"
+
+
+RUN_MARK = ".zoomkv-run"  # written first into a run folder the trainer makes (or finds empty)
+
+
+def step_folders(run_dir: Path) -> list[Path]:
+    """The run's step checkpoints zoomkv wrote (``checkpoints/step_N`` holding a checkpoint's files), by step."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    steps = [p for p in folder.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+             and p.is_dir() and not p.is_symlink() and is_adapter_folder(p)]
+    return sorted(steps, key=lambda p: int(p.name[5:]))
+
+
+def is_run_folder(run_dir: Path) -> bool:
+    """A run folder the trainer wrote: its mark or, for runs from before the mark, a checkpoint, an adapter, a
+    teacher cache or a recipe (``train_config.yaml`` naming a method) of ours."""
+    if (run_dir / RUN_MARK).is_file() or step_folders(run_dir) or is_cache_folder(run_dir / "teacher"):
+        return True
+    if (run_dir / "adapter").is_dir() and is_adapter_folder(run_dir / "adapter"):
+        return True
+    try:
+        recipe = yaml.safe_load((run_dir / "train_config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(recipe, dict) and isinstance(recipe.get("method"), str) and "run_name" in recipe
+
+
+def check_run_folder(cfg: TrainConfig) -> list[Path]:
+    """Before the model loads: the run folder (``output_dir/run_name``) is new, empty or a run of ours; one that
+    already holds checkpoints or an adapter is continued (``resume``) or started over (``overwrite``), never
+    trained into afresh (that would overwrite some steps and leave others for a later ``resume=latest``).
+    Returns what ``overwrite`` removes (``start_over``): the earlier run's step folders and adapter."""
+    run = cfg.run_dir
+    if (run.exists() or run.is_symlink()) and not run.is_dir():
+        raise ConfigError(f"run folder {run} (output_dir/run_name) is a file; choose another run_name")
+    check_cache_folder(cfg.cache_dir)
+    if not run.is_dir() or not any(run.iterdir()):
+        return []
+    if not is_run_folder(run):
+        raise ConfigError(f"run folder {run} (output_dir/run_name) holds files and no zoomkv run; choose another "
+                          "run_name or output_dir (a run writes only into a new or empty folder, or its own)")
+    earlier = step_folders(run)
+    adapter = run / "adapter"
+    if adapter.is_dir() and is_adapter_folder(adapter):
+        earlier.append(adapter)
+    if earlier and not cfg.resume and not cfg.overwrite:
+        steps = [p.name[5:].lstrip("0") or "0" for p in earlier if p.name.startswith("step_")]
+        what = (f"checkpoints up to step {steps[-1]}" if steps else "no checkpoint") + \
+            (" and an adapter" if adapter in earlier else "")
+        raise ConfigError(f"run folder {run} already holds a run ({what}); continue it with resume=latest, train "
+                          "another run_name, or start it over with overwrite=true (removes its checkpoints and "
+                          "adapter)")
+    return earlier if cfg.overwrite else []
+
+
+def start_over(cfg: TrainConfig, earlier: list[Path]) -> None:
+    """Main process, ``overwrite=true``: remove the earlier run's step folders and adapter (folders zoomkv wrote,
+    as ``check_run_folder`` found them) and the scores that described them; anything else stays. Then mark the
+    run folder as a run's."""
+    import shutil
+
+    for folder in earlier:
+        shutil.rmtree(folder)
+    for name in ("eval.json", f"{cfg.training.report_name}.json"):
+        (cfg.run_dir / name).unlink(missing_ok=True)
+    claim_run_folder(cfg.run_dir)
+
+
+def claim_run_folder(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / RUN_MARK).is_file():
+        (run_dir / RUN_MARK).write_text("zoomkv training run\n", encoding="utf-8")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -29,7 +29,7 @@ class TrainConfig:
     # (MethodTraining.recipe_class) and land in `options`
     model: str = "smollm2-135m"  # a zoomkv model name, a local folder, or a name in KNOWN_CONFIGS (dry-run only)
     method: str = ""
-    run_name: str = ""  # "" = the method's name
+    run_name: str = ""  # a plain folder name in output_dir (left out: the method's name)
     output_dir: str = "checkpoints"
     seed: int = 0
     max_trainable_fraction: float = 0.0005
@@ -47,7 +47,9 @@ class TrainConfig:
     min_length: int = 256  # length curriculum: sample lengths go from min_length to max_length
     max_length: int = 1024
     queries_per_sample: int = 8
-    teacher_cache: str = ""  # "" = <output_dir>/<run_name>/teacher
+    # "" = <output_dir>/<run_name>/teacher; a recipe file names a folder under the working folder, the command
+    # line any folder; either way a new or empty folder, or a teacher cache zoomkv wrote
+    teacher_cache: str = ""
     # optimisation
     steps: int = 100
     layers_per_step: int = 8  # layers sampled per step (all when 0)
@@ -62,6 +64,9 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 50
     resume: str = ""  # "" (fresh), "latest", or a checkpoint folder
+    # start the run over where it already has checkpoints or an adapter (they are removed first); without it
+    # such a run folder is refused unless resumed
+    overwrite: bool = False
     tensorboard: bool = True
     threads: int = 0  # torch intra-op threads (0: torch's default); 1 is fastest for these small ops on a busy CPU
     eval_samples: int = 4  # held-out samples scored (next-token KL vs full) with the fresh and trained adapter
@@ -150,6 +155,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         if not isinstance(loaded, dict) or any(isinstance(v, dict | list) for v in loaded.values()):
             raise ConfigError(f"{path}: a recipe is a flat YAML mapping of key: scalar")
         raw.update(loaded)
+    from_file = dict(raw)
     raw.update(parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {}))
     method = raw.get("method", "")
     if not isinstance(method, str) or method not in TRAINING:
@@ -191,7 +197,29 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         if getattr(cfg, key) < 1:
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
     check_ranges(cfg)
+    check_paths(cfg, from_file)
     return cfg
+
+
+def check_paths(cfg: TrainConfig, from_file: dict[str, Any]) -> None:
+    """Names from a recipe cannot point outside the run's folder: ``run_name`` is one plain folder name, and a
+    recipe file's ``teacher_cache`` (a file written by someone else) a relative path that stays below the
+    folder the command runs in; the command line (the user) may name any folder for it. What is in the folders
+    is checked when the run starts (``checkpoints.check_run_folder``, ``teacher.check_cache_folder``)."""
+    name = cfg.run_name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or Path(name).is_absolute():
+        raise ConfigError(f"recipe key 'run_name': {name!r} is not a folder name; name the run with letters, "
+                          "digits, '-' or '_' (it is a folder in output_dir), or leave it out for the method's name")
+    cache = from_file.get("teacher_cache")
+    if isinstance(cache, str) and cache == cfg.teacher_cache and cache:
+        parts = Path(cache).parts
+        if Path(cache).is_absolute() or ".." in parts or cache.startswith("~"):
+            raise ConfigError(f"recipe key 'teacher_cache': {cache!r} in a recipe file must be a folder below the "
+                              "working folder (relative, no '..'); to use a cache elsewhere, give it on the "
+                              "command line (teacher_cache=PATH)")
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError(f"recipe keys 'overwrite' and 'resume': overwrite=true starts the run over, "
+                          f"resume={cfg.resume} continues it; give one")
 
 
 # The range of each numeric generic key (the method's own keys are checked by its recipe class). A value

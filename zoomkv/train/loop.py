@@ -38,7 +38,15 @@ from zoomkv.errors import ConfigError
 from zoomkv.logs import LOGGER_NAME, progress_shown
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train import deepspeed_engine
-from zoomkv.train.checkpoints import check_resume, load_checkpoint_state, resume_folder, save_checkpoint
+from zoomkv.train.checkpoints import (
+    check_resume,
+    check_run_folder,
+    claim_run_folder,
+    load_checkpoint_state,
+    resume_folder,
+    save_checkpoint,
+    start_over,
+)
 from zoomkv.train.config import TrainConfig, load_corpus, save_resolved
 from zoomkv.train.guards import (
     average_gradients,
@@ -64,6 +72,7 @@ def train(cfg: TrainConfig) -> Path:
         raise ConfigError(f"{cfg.model!r} is only known by its config here (use --dry-run), not loadable")
     accelerator, tracking = start_accelerator(cfg)
     corpus = load_corpus(cfg)  # a bad source fails here, before the model loads
+    earlier = check_run_folder(cfg)  # a new or empty folder, or a run of ours resumed or started over
     resume = resume_folder(cfg)  # checked against the recipe's method and model before the model loads
     model, tokenizer = load_model(cfg.model)
     model.requires_grad_(False)  # frozen: never trained, never saved
@@ -78,6 +87,11 @@ def train(cfg: TrainConfig) -> Path:
         log.info("held at their start: %s", ", ".join(frozen))
     log.info("%d process(es), %s, %s", accelerator.num_processes, engine_name(accelerator), accelerator.device)
     training = cfg.training  # everything method-specific: modules, objective, optimiser groups
+
+    if accelerator.is_main_process and earlier:  # overwrite=true: the earlier run's checkpoints and adapter go
+        start_over(cfg, earlier)
+    elif accelerator.is_main_process:
+        claim_run_folder(cfg.run_dir)
 
     # -- teacher signals, once (main process), then everyone reads the cache
     paths = teacher_signals(accelerator, model, tokenizer, cfg, corpus)

@@ -20,9 +20,36 @@ from tqdm.auto import tqdm
 
 from zoomkv import compat
 from zoomkv.data.training import Sample
+from zoomkv.errors import ConfigError
 from zoomkv.memory.replay import record_prefill, record_surprisal
 
 CACHE_VERSION = 2  # 2: each layer's rotary table
+# Written first into a folder the cache claims: a teacher cache writes (and rewrites) only inside a folder that
+# was new or empty, or holds this mark (or, from before it, a meta.json of ours), never among a user's files.
+CACHE_MARK = ".zoomkv-teacher-cache"
+
+
+def is_cache_folder(folder: Path) -> bool:
+    """A teacher cache zoomkv wrote: its mark, or (caches written before the mark) its ``meta.json``."""
+    if (folder / CACHE_MARK).is_file():
+        return True
+    meta = folder / "meta.json"
+    try:
+        if meta.is_symlink() or not meta.is_file() or meta.stat().st_size > 1 << 20:
+            return False
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"version", "n", "model", "num_samples"} <= set(data)
+
+
+def check_cache_folder(folder: Path) -> None:
+    """Refuse a teacher cache folder that holds anything but a teacher cache of ours (empty is fine)."""
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise ConfigError(f"recipe key 'teacher_cache': {folder} is a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not is_cache_folder(folder):
+        raise ConfigError(f"recipe key 'teacher_cache': {folder} holds files that are not a zoomkv teacher cache; "
+                          "name a new or empty folder (the cache writes meta.json and sample_*.safetensors there)")
 
 
 def encode(tokenizer, text: str) -> torch.Tensor:
@@ -68,8 +95,12 @@ def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recen
 
 def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_queries: int, min_pos: int, recent: int,
                 fingerprint: dict[str, Any], show_progress: bool = True) -> list[Path]:
-    """Extract every sample once (skipped when the cache already matches ``fingerprint``)."""
+    """Extract every sample once (skipped when the cache already matches ``fingerprint``), in a folder that is
+    new, empty or a teacher cache (``check_cache_folder``)."""
+    check_cache_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / CACHE_MARK).is_file():
+        (folder / CACHE_MARK).write_text("zoomkv teacher cache\n", encoding="utf-8")
     meta_path = folder / "meta.json"
     fingerprint = {**fingerprint, "version": CACHE_VERSION, "n": len(samples)}
     paths = [folder / f"sample_{i:05d}.safetensors" for i in range(len(samples))]
