@@ -218,3 +218,97 @@ def test_a_run_name_run_again_is_refused_unless_resumed_or_overwritten(tmp_path,
 
     assert latest_checkpoint(run).name == "step_000002"
     assert _train(tmp_path, "steps=4", "resume=latest") == 0  # resuming is what it always was
+
+
+# -- eval: --out is new, empty or an eval run's; --overwrite deletes only what eval wrote --------------------
+
+
+def _eval_cfg(out: Path, **kw):
+    from zoomkv.eval.harness import EvalConfig
+
+    base = dict(model="tiny-llama", out=out, methods=["streamingllm"], budgets=["64"], tasks=["niah_single_1"],
+                lengths=[600], samples=1, max_new_tokens=2, progress=False, plots=True)
+    return EvalConfig(**{**base, **kw})
+
+
+def test_eval_writes_into_no_folder_of_other_files(tmp_path, tiny, capsys):
+    from zoomkv.eval.harness import run_eval
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    planted = {"summary.md": "my summary", "rows.csv": "a,b\n", "notes.txt": "x"}
+    for name, text in planted.items():
+        (mine / name).write_text(text)
+    args = ["eval", "--model", "tiny-llama", "--methods", "streamingllm", "--budgets", "64", "--length", "600",
+            "--samples", "1", "--max-new-tokens", "2", "--out", str(mine), "--quiet"]
+    for flags in ([], ["--overwrite"], ["--report-only"]):
+        assert main([*args, *flags]) == 2
+        line = one_error_line(capsys)
+        assert str(mine) in line and any(w in line for w in ("no zoomkv eval run", "no rows")), line
+        assert {p.name: p.read_text() for p in mine.iterdir()} == planted
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_eval(_eval_cfg(empty), *tiny)
+
+
+def test_eval_overwrite_deletes_only_the_files_it_wrote(tmp_path, tiny, capsys):
+    from zoomkv.errors import ZoomKVError
+    from zoomkv.eval.harness import run_eval
+
+    out = tmp_path / "run"
+    run_eval(_eval_cfg(out), *tiny)
+    ours = {p.name for p in out.iterdir()}
+    assert {"rows.jsonl", "summary.md", "pareto.png", "run.json"} <= ours
+    (out / "photo.png").write_bytes(b"mine")  # the user's, of no name eval writes: kept by everything
+    run_eval(_eval_cfg(out, overwrite=True), *tiny)
+    assert (out / "photo.png").read_bytes() == b"mine"
+    (out / "score_vs_budget_mine.png").write_bytes(b"mine")  # of a name eval writes, but not written by it
+    for kw in ({}, {"overwrite": True}, {"report_only": True}):
+        with pytest.raises(ZoomKVError, match="score_vs_budget_mine.png was not written by zoomkv eval"):
+            run_eval(_eval_cfg(out, **kw), *tiny)
+        assert (out / "score_vs_budget_mine.png").read_bytes() == b"mine"
+    (out / "score_vs_budget_mine.png").unlink()
+    run_eval(_eval_cfg(out, budgets=["32"], overwrite=True), *tiny)
+    assert {p.name for p in out.iterdir()} == ours | {"photo.png"}
+
+
+def test_report_only_on_rows_put_together(tmp_path, tiny):
+    """README: several runs' rows.jsonl put together in one folder, then --report-only: a folder of our rows
+    alone is reported (and becomes a run of ours), a summary of the user's there is refused."""
+    from zoomkv.errors import ZoomKVError
+    from zoomkv.eval.harness import run_eval
+
+    run_eval(_eval_cfg(tmp_path / "a"), *tiny)
+    together = tmp_path / "together"
+    together.mkdir()
+    (together / "rows.jsonl").write_bytes((tmp_path / "a" / "rows.jsonl").read_bytes())
+    (together / "summary.md").write_text("mine")
+    with pytest.raises(ZoomKVError, match="summary.md was not written"):
+        run_eval(_eval_cfg(together, report_only=True), *tiny)
+    (together / "summary.md").unlink()
+    run_eval(_eval_cfg(together, report_only=True), *tiny)
+    run_eval(_eval_cfg(together, report_only=True), *tiny)  # again: its own report is replaced
+    assert "streamingllm" in (together / "summary.md").read_text()
+
+
+def test_a_report_killed_midway_leaves_its_files_claimed(tmp_path, tiny, monkeypatch):
+    """A kill while the report is written: the next run finds files of the report's names that run.json did
+    not list yet, and takes them as its own (run.json said a report was being written)."""
+    import zoomkv.eval.report as report
+    from zoomkv.eval.harness import run_eval
+
+    out = tmp_path / "run"
+    run_eval(_eval_cfg(out, plots=False), *tiny)
+    real = report.write_summary
+
+    def killed(rows, out_, *args, **kwargs):
+        real(rows, out_, *args, **kwargs)
+        (Path(out_) / "pareto.png").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "write_summary", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(_eval_cfg(out), *tiny)
+    monkeypatch.setattr(report, "write_summary", real)
+    run_eval(_eval_cfg(out), *tiny)
+    assert (out / "pareto.png").stat().st_size > 1000

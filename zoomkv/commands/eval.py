@@ -174,8 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int_option(1, 4096), help="CPU threads for torch (fewer can be faster on a busy machine)")
-    parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots)")
-    parser.add_argument("--overwrite", action="store_true", help="discard the rows already in --out instead of resuming")
+    parser.add_argument("--out", help="output folder (rows.jsonl, rows.csv, rows.json, summary.md, plots): new, "
+                                      "empty, or an earlier run's to resume it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="discard the rows and report files an earlier run wrote in --out (run.json lists them) "
+                             "instead of resuming; nothing else there")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: write the summary and plots of the rows already in --out (several runs' "

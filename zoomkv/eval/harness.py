@@ -25,7 +25,7 @@ from zoomkv.data.haystack import DEFAULT_PROSE, Haystack, text_haystack
 from zoomkv.data.sample import PromptFormat, Sample
 from zoomkv.errors import ZoomKVError
 from zoomkv.eval.metrics import score
-from zoomkv.eval.rows import PART_GLOB, RowStore, row_key
+from zoomkv.eval.rows import PART_GLOB, RowStore, check_eval_folder, row_key
 from zoomkv.eval.shards import Processes, batch_of, join_processes
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
 from zoomkv.generation import GenerationResult, generate_methods, generate_turns
@@ -256,6 +256,7 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     out = Path(cfg.out)
     if cfg.report_only and not ((out / "rows.jsonl").is_file() or any(out.glob(PART_GLOB))):
         raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")  # before RowStore makes the folder
+    check_eval_folder(out, report_only=cfg.report_only)  # a folder of other files, or a file of theirs in the way
     procs = join_processes(cfg.device)
     store = RowStore(cfg.out, part=procs.rank if procs.world > 1 else None)
     if not cfg.overwrite:
@@ -373,4 +374,7 @@ def _write_report(cfg: EvalConfig, prep: Prepared, store: RowStore, chat: bool |
         header["samples"] = ",".join(map(str, sorted(set(per_cell.values())))) or None
         header["lengths"] = ",".join(map(str, sorted({r["length"] for r in store.rows}))) or None
         header.pop("processes")  # this command ran nothing
-    write_outputs(store.rows, store.out, header, list(dict.fromkeys(r.label for r in prep.runs)), plots=cfg.plots)
+    store.record_outputs([], writing=True)  # a report killed midway leaves the files it wrote claimed
+    paths = write_outputs(store.rows, store.out, header, list(dict.fromkeys(r.label for r in prep.runs)),
+                          plots=cfg.plots)
+    store.record_outputs(paths)

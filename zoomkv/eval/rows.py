@@ -24,8 +24,13 @@ FIELDS = (
 )
 
 GRID_TASK = "niah_grid"
-OUTPUT_PATTERNS = ("rows.jsonl", "rows.json", "rows.csv", "summary.json", "summary.md", "score_vs_budget_*.png",
-                   "pareto.png", "niah_heatmap_*.png", "diagnostics_*.png")
+# What the report writes at the end (besides rows.jsonl): run.json lists the ones it wrote ("outputs"), and only
+# those are ever replaced or deleted (--overwrite); a file there of one of these names that it does not list is
+# the user's, and the run is refused before anything is written.
+REPORT_PATTERNS = ("rows.json", "rows.csv", "summary.json", "summary.md", "score_vs_budget_*.png", "pareto.png",
+                   "niah_heatmap_*.png", "diagnostics_*.png")
+OUTPUT_PATTERNS = ("rows.jsonl", *REPORT_PATTERNS)
+RUN_FILE = "run.json"
 
 
 def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -63,6 +68,63 @@ def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
 PART_GLOB = "rows.part-*.jsonl"  # one per process of a sharded run, merged into rows.jsonl at its end
 
 
+def _run_record(out: Path) -> dict[str, Any] | None:
+    """``run.json`` when it is an evaluation run's (it lists its outputs, or, written before that, names the
+    model and seed); None when missing or anything else."""
+    path = out / RUN_FILE
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 16 << 20:
+            return None
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("outputs"), list) or {"model", "seed"} <= set(record):
+        return record
+    return None
+
+
+def _written(record: dict[str, Any] | None) -> set[str] | None:
+    """The report files run.json says the run wrote (None: a run from before the list, whose files of the
+    report's names were all its own)."""
+    if record is None:
+        return set()
+    outputs = record.get("outputs")
+    if not isinstance(outputs, list) or record.get("writing_report") is True:
+        return None  # (or a report killed midway: the files of its names that appeared since are its own)
+    return {name for name in outputs if isinstance(name, str) and _is_report_name(name)}
+
+
+def _is_report_name(name: str) -> bool:
+    import fnmatch
+
+    return "/" not in name and "\\" not in name and any(fnmatch.fnmatchcase(name, p) for p in REPORT_PATTERNS)
+
+
+def check_eval_folder(out: str | Path, *, report_only: bool = False) -> None:
+    """Before anything is written: ``--out`` is new or empty, or holds an evaluation run of ours (its
+    ``run.json``), or (``--report-only``) rows put there to be reported; and none of the report's files that
+    would be replaced there is a file the run did not write. Every refusal is one ``ZoomKVError`` line."""
+    out = Path(out).expanduser()
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    record = _run_record(out)
+    if record is None and (out / RUN_FILE).exists():
+        raise ZoomKVError(f"--out {out}: its {RUN_FILE} is not a zoomkv eval run's; use a new or empty folder")
+    if record is None and not report_only:
+        raise ZoomKVError(f"--out {out} holds files and no zoomkv eval run (no {RUN_FILE}); use a new or empty "
+                          "folder, or the folder of an earlier run to resume it")
+    written = _written(record)
+    if written is None:
+        return
+    foreign = sorted({p.name for pattern in REPORT_PATTERNS for p in out.glob(pattern)} - written)
+    if foreign:
+        raise ZoomKVError(f"--out {out}: {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} "
+                          f"{'was' if len(foreign) == 1 else 'were'} not written by zoomkv eval ({RUN_FILE} does not "
+                          "list them) and would be replaced; move them, or use another --out")
+
+
 def part_name(rank: int) -> str:
     return f"rows.part-{rank:05d}.jsonl"
 
@@ -77,7 +139,7 @@ class RowStore:
         self.out = check_output_folder(out, create=True)
         self.path = self.out / "rows.jsonl"
         self.write_path = self.path if part is None else self.out / part_name(part)
-        self.run_file = self.out / "run.json"
+        self.run_file = self.out / RUN_FILE
         self.rows: list[dict[str, Any]] = []
         self.done: set[tuple[Any, ...]] = set()
 
@@ -85,19 +147,20 @@ class RowStore:
         return self.path.is_file() or any(self.out.glob(PART_GLOB))
 
     def clear(self) -> None:
-        """``--overwrite``: everything an earlier run wrote here, so no stale plot outlives its rows."""
-        for pattern in (*OUTPUT_PATTERNS, PART_GLOB):
-            for stale in self.out.glob(pattern):
-                stale.unlink(missing_ok=True)
+        """``--overwrite``: the rows and every report file an earlier run wrote here (those run.json lists, of
+        the report's names), so no stale plot outlives its rows; nothing else."""
+        written = _written(_run_record(self.out))
+        stale = {p for pattern in REPORT_PATTERNS for p in self.out.glob(pattern)
+                 if written is None or p.name in written}
+        for path in [self.path, *self.out.glob(PART_GLOB), *sorted(stale)]:
+            path.unlink(missing_ok=True)
 
     def recorded_identity(self) -> dict[str, Any]:
-        try:
-            old = json.loads(self.run_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(old, dict):
-            return {}
-        old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
+        old = dict(_run_record(self.out) or {})
+        old.pop("outputs", None)
+        old.pop("writing_report", None)
+        if old:
+            old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
         return old
 
     def check_identity(self, identity: dict[str, Any]) -> None:
@@ -116,7 +179,23 @@ class RowStore:
         """Write run.json: this run's settings over the ones recorded (a setting this run does not use, such as
         the haystack of a run without essay tasks, stays as an earlier run recorded it)."""
         merged = {**(self.recorded_identity() if self.has_rows() else {}), **identity}
-        self.run_file.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        old = _run_record(self.out) or {}
+        self._write_record({**merged, "outputs": old.get("outputs") if isinstance(old.get("outputs"), list) else [],
+                            "writing_report": old.get("writing_report") is True})
+
+    def record_outputs(self, paths: list[Path], *, writing: bool = False) -> None:
+        """Around the report: ``writing`` before it (a report killed midway leaves the files it wrote claimed),
+        then the files it wrote added to run.json's list (those still there stay listed)."""
+        record = dict(_run_record(self.out) or {})
+        before = _written({**record, "writing_report": False})
+        listed = {n for n in before or set() if (self.out / n).is_file()}
+        names = listed | {p.name for p in paths if p.parent == self.out and _is_report_name(p.name)}
+        self._write_record({**record, "outputs": sorted(names), "writing_report": writing})
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        tmp = self.out / f".{RUN_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.run_file)
 
     def load(self) -> list[dict[str, Any]]:
         """Read every row file (``rows.jsonl`` first, then the parts by rank): one row per key, the first."""
