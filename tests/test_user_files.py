@@ -312,3 +312,31 @@ def test_a_report_killed_midway_leaves_its_files_claimed(tmp_path, tiny, monkeyp
     monkeypatch.setattr(report, "write_summary", real)
     run_eval(_eval_cfg(out), *tiny)
     assert (out / "pareto.png").stat().st_size > 1000
+
+
+# -- calibrate: a profile path is new or a profile; its temporary file never has a user's name -------------
+
+
+def test_calibrate_replaces_a_profile_and_never_another_file(tmp_path, monkeypatch, capsys):
+    import zoomkv.models
+
+    mine = tmp_path / "p.json"
+    mine.write_text('{"mine": 1}')
+    (tmp_path / "p.json.tmp").write_text("mine too")  # the name the temporary file used to have
+    (tmp_path / "p.safetensors").write_text("not a profile")
+    real_load = zoomkv.models.load_model
+    monkeypatch.setattr(zoomkv.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for argv in (["compresskv", "--samples", "1", "--length", "300", "--accept-all", "--out", str(mine)],
+                 ["infinigen", "--tokens", "64", "--output", str(tmp_path / "p.safetensors")]):
+        assert main(["calibrate", argv[0], "--model", "tiny-llama", *argv[1:]]) == 2
+        assert "is never replaced" in one_error_line(capsys)
+    monkeypatch.setattr(zoomkv.models, "load_model", real_load)
+    mine.unlink()
+    for _ in range(2):  # a new path, then the profile written there: replaced
+        assert main(["calibrate", "compresskv", "--model", "tiny-llama", "--samples", "1", "--length", "300",
+                     "--accept-all", "--out", str(mine), "--quiet"]) == 0
+        assert main(["calibrate", "infinigen", "--model", "tiny-llama", "--tokens", "64", "--quiet",
+                     "--output", str(tmp_path / "i.safetensors")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "p.json.tmp").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["i.safetensors", "p.json", "p.json.tmp", "p.safetensors"]

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,26 @@ def replace_folder(staged: Path, target: Path) -> None:
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_file_atomically(path: Path, write: Callable[[Path], object]) -> Path:
+    """Write one file all or nothing: ``write(tmp)`` fills a new hidden temporary file beside ``path`` (a unique
+    name: no file of the user's is ever written over on the way), which then replaces ``path`` in one rename.
+    The temporary file is removed if anything fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; the file is made as open() would
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def current_umask() -> int:

@@ -56,7 +56,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -90,6 +89,7 @@ from zoomkv.adapters.errors import (
 )
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
 from zoomkv.adapters.weights import read_weights, sha256
+from zoomkv.atomic import write_file_atomically
 from zoomkv.compat import cache_kwarg, generate_cache_kwargs
 from zoomkv.models.registry import hub_name
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
@@ -193,9 +193,8 @@ class ZoomKVPeftConfig(PeftConfig):
             if _PEFT_TEMPLATE_HEADING not in text and CARD_HEADING not in text:
                 return
         config = dataclasses.replace(self.to_zoom_config(), weights_sha256=self.weights_sha256)
-        staging = card.with_name(f".{CARD_NAME}.{os.getpid()}.tmp")
-        staging.write_text(render_card(config), encoding="utf-8")
-        os.replace(staging, card)  # never half a card
+        text = render_card(config)
+        write_file_atomically(card, lambda tmp: tmp.write_text(text, encoding="utf-8"))  # never half a card
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from zoomkv import compat
+from zoomkv.atomic import write_file_atomically
 from zoomkv.errors import ZoomKVError
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise ZoomKVError("need --samples ≥ 1, --length ≥ 16, --top-heads ≥ 1 and --error-budget > --window")
     if args.window < 1 or args.kernel_size < 1 or args.answer_tokens < 0 or args.samples > 100_000:
         raise ZoomKVError("need --window ≥ 1, --kernel-size ≥ 1, --answer-tokens ≥ 0 and --samples ≤ 100000")
-    if args.out and Path(args.out).is_dir():
-        raise ZoomKVError(f"--out {args.out} is a folder; give the profile file's path")
+    if args.out:
+        check_out(Path(args.out))
     from zoomkv.eval.shards import join_processes
 
     procs = join_processes(args.device)  # under accelerate launch / torchrun: the prompts are shared out
@@ -99,15 +100,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_out(path: Path, flag: str = "--out") -> None:
+    """Before the model loads: the profile path is new, or a CompressKV profile (replaced), never another file."""
+    from zoomkv.methods.compresskv import PROFILE_FORMAT
+
+    if path.is_dir():
+        raise ZoomKVError(f"{flag} {path} is a folder; give the profile file's path")
+    if path.exists() or path.is_symlink():
+        try:
+            ours = path.is_file() and path.stat().st_size < 16 << 20 and \
+                json.loads(path.read_text(encoding="utf-8")).get("format") == PROFILE_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise ZoomKVError(f"{flag} {path} exists and is not a CompressKV profile (it is never replaced); "
+                              "give a new file's path")
+
+
 def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     # One key per line, each value on one line: small, diffable, still plain JSON.
     body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(profile[k])}" for k in sorted(profile))
-    tmp.write_text("{\n" + body + "\n}\n", encoding="utf-8")
-    tmp.replace(path)  # atomic: a half-written profile is never read
-    return path
+    # atomic: a half-written profile is never read, and the temporary file's name is never a user's
+    return write_file_atomically(path, lambda tmp: tmp.write_text("{\n" + body + "\n}\n", encoding="utf-8"))
 
 
 # -- the capturing attention function ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from zoomkv.data.files import read_text_file
 from zoomkv.errors import ZoomKVError
-from zoomkv.methods.infinigen_profile import PROFILE_FILE, save_profile, skew_and_channels
+from zoomkv.methods.infinigen_profile import PROFILE_FILE, is_profile, save_profile, skew_and_channels
 
 HELP = "InfiniGen: per-layer SVD skew of post-RoPE queries and the top fifth of the skewed channels"
 
@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         raise ZoomKVError(f"--tokens must be at least 16, got {args.tokens}")
     if args.output and Path(args.output).is_dir():
         raise ZoomKVError(f"--output {args.output} is a folder; give the profile file's path")
+    if args.output and (Path(args.output).exists() or Path(args.output).is_symlink()) and \
+            not is_profile(Path(args.output)):
+        raise ZoomKVError(f"--output {args.output} exists and is not an InfiniGen profile (it is never replaced); "
+                          "give a new file's path")
     text = default_text() if args.text_file is None else read_text_file(args.text_file, "calibration text")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zoomkv.atomic import write_file_atomically
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.protocol.profiles import profile_dir
 
@@ -63,9 +64,18 @@ def save_profile(path: Path, layers: dict[int, tuple[torch.Tensor, torch.Tensor]
     for i, (skew, channels) in layers.items():
         tensors[f"layers.{i}.skew"] = skew.contiguous()
         tensors[f"layers.{i}.channels"] = channels.to(torch.int64).contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": FORMAT, "version": VERSION, **meta})
-    return path
+    # atomic: a half-written profile is never read, and the temporary file's name is never a user's
+    return write_file_atomically(path, lambda tmp: save_file(tensors, str(tmp),
+                                                             metadata={"format": FORMAT, "version": VERSION, **meta}))
+
+
+def is_profile(path: Path) -> bool:
+    """An InfiniGen profile zoomkv wrote (its metadata's format), read without loading a tensor."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # safetensors raises its own errors on anything that is not a safetensors file
+        return False
 
 
 def resolve_profile(profile: str | None, model_name: str | None) -> Path:
