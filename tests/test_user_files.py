@@ -8,6 +8,7 @@ rename the writers make goes through one of them): fast, and as abrupt as a real
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -340,3 +341,152 @@ def test_calibrate_replaces_a_profile_and_never_another_file(tmp_path, monkeypat
     capsys.readouterr()
     assert (tmp_path / "p.json.tmp").read_text() == "mine too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i.safetensors", "p.json", "p.json.tmp", "p.safetensors"]
+
+
+# -- must show: user files beside and inside every output folder survive every command, --overwrite and a kill
+# -- at every rename ------------------------------------------------------------------------------------------
+
+
+def plant(folder: Path, parent_name: str | None = None) -> dict[Path, bytes]:
+    """A user's files in ``folder``: a note, a nested one, and, when ``parent_name`` names an output folder
+    beside them, folders whose names look like that output's working folders (one even holding a copy of a
+    real working folder's mark, which names another folder)."""
+    files = {folder / "notes.txt": b"mine", folder / "mine" / "deep.txt": b"mine too"}
+    if parent_name is not None:
+        files[folder / f"{parent_name}.tmp"] = b"mine"
+        for look in (f".{parent_name}.old-2024", f".{parent_name}.partial-1", f".{parent_name}.old-999999-x"):
+            files[folder / look / "notes.txt"] = b"mine"
+        files[folder / f".{parent_name}.old-999998-y" / ".zoomkv-owned"] = \
+            f"zoomkv working folder .{parent_name}.old-999999-x\n".encode()
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return files
+
+
+def assert_kept(planted: dict[Path, bytes], *, killed: bool = False) -> None:
+    """Every planted file is where it was, as it was. Right after a kill (``killed``) one may instead be in the
+    folder a replace had moved aside (the next run puts it back): under its output's name, inside a marked
+    ``.NAME.old-*`` folder beside that output."""
+    for path, data in planted.items():
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        assert killed, path
+        asides = [a for parent in path.parents for a in parent.parent.glob(f".{parent.name}.old-*")
+                  if (a / parent.name / path.relative_to(parent)).is_file()
+                  and (a / parent.name / path.relative_to(parent)).read_bytes() == data]
+        assert asides, path
+
+
+def survive(planted: dict[Path, bytes], commands: list[Callable[[], object]], killed: Callable[[], object],
+            recover: Callable[[], object]) -> int:
+    """Run each command (the user's files after each), then ``killed`` with a kill before its 1st, 2nd, ...
+    rename until it finishes unkilled, each kill followed by ``recover``; returns how many kills there were."""
+    for command in commands:
+        command()
+        assert_kept(planted)
+    n = 1
+    while killed_at_rename(n, killed):
+        assert_kept(planted, killed=True)
+        recover()
+        assert_kept(planted)
+        n += 1
+    assert n > 1, "the command made no rename"
+    return n - 1
+
+
+def test_export_keeps_every_user_file(tmp_path, probe_method, llama, capsys):  # noqa: F811
+    from zoomkv.adapters.checkpoint import write_checkpoint
+
+    adapter = fresh_adapter(llama[0])
+    c = adapter.config
+    ckpt = write_checkpoint(tmp_path / "ckpt" / "step_10", adapter.modules, method=c.method, hyper=c.hyper,
+                            base_model=c.base_model, shape=c.model_shape())
+    out = tmp_path / "out" / "adapter"
+    planted = plant(tmp_path / "out", "adapter")
+    export = ["export", str(ckpt), "--out", str(out)]
+    assert main(export) == 0
+    planted |= plant(out)
+
+    def run(*flags: str, code: int = 0) -> None:
+        assert main([*export, *flags]) == code
+        capsys.readouterr()
+
+    kills = survive(planted, [lambda: run(code=2), lambda: run("--overwrite")],
+                    killed=lambda: run("--overwrite"), recover=lambda: run("--overwrite"))
+    assert kills == 2  # the old folder aside, the new one in place
+    ZoomAdapter.from_pretrained(out)
+
+
+def test_train_keeps_every_user_file(tmp_path, capsys):
+    runs, teacher = tmp_path / "runs", tmp_path / "teacher"
+    planted = plant(tmp_path, "teacher") | plant(runs, "sekv-tiny")
+    base = ["--recipe", str(TINY), f"output_dir={runs}", f"teacher_cache={teacher}", *FAST]
+
+    def train(*extra: str, code: int = 0) -> None:
+        got = run_command("train", [*base, *extra], prog="train")
+        assert got == code, capsys.readouterr().err
+        capsys.readouterr()
+
+    train()
+    run = runs / "sekv-tiny"
+    planted |= plant(run) | plant(run / "checkpoints", "step_000002") | plant(run / "adapter") | plant(teacher)
+    planted |= plant(run / "checkpoints" / "step_000002")
+    kills = survive(planted, [lambda: train(code=2), lambda: train("overwrite=true"),
+                              lambda: train("resume=latest")],
+                    killed=lambda: train("overwrite=true"), recover=lambda: train("overwrite=true"))
+    assert kills >= 2
+    ZoomAdapter.from_pretrained(run / "adapter")
+
+
+def test_eval_keeps_every_user_file(tmp_path, capsys):
+    out = tmp_path / "ev" / "run"
+    planted = plant(tmp_path / "ev", "run")
+    args = ["eval", "--model", "tiny-llama", "--methods", "streamingllm", "--budgets", "64", "--length", "600",
+            "--samples", "1", "--max-new-tokens", "2", "--out", str(out), "--quiet"]
+
+    def run(*flags: str) -> None:
+        assert main([*args, *flags]) == 0
+        capsys.readouterr()
+
+    run()
+    planted |= plant(out)
+    (out / "photo.png").write_bytes(b"mine")
+    planted[out / "photo.png"] = b"mine"
+    kills = survive(planted, [run, lambda: run("--overwrite"), lambda: run("--report-only")],
+                    killed=lambda: run("--overwrite"), recover=run)
+    assert kills >= 2
+    assert "streamingllm" in (out / "summary.md").read_text()
+
+
+def test_calibrate_keeps_every_user_file(tmp_path, capsys):
+    out = tmp_path / "cal" / "p.json"
+    planted = plant(tmp_path / "cal", "p.json")
+    args = ["calibrate", "compresskv", "--model", "tiny-llama", "--samples", "1", "--length", "300",
+            "--accept-all", "--out", str(out), "--quiet"]
+
+    def run() -> None:
+        assert main(args) == 0
+        capsys.readouterr()
+
+    assert survive(planted, [run, run], killed=run, recover=run) == 1
+    assert json.loads(out.read_text())["format"] == "zoomkv-compresskv-profile"
+
+
+def test_push_staging_keeps_every_user_file(tmp_path, probe_method, llama, monkeypatch):  # noqa: F811
+    """``ZoomAdapter.push_to_hub`` stages the folder it uploads in a new temporary folder of its own."""
+    import tempfile
+
+    import zoomkv.adapters.model as model_module
+
+    pushed: list[list[str]] = []
+    monkeypatch.setattr(model_module, "push_folder",
+                        lambda folder, repo_id, **kw: pushed.append(sorted(p.name for p in Path(folder).iterdir())))
+    staging_root = tmp_path / "tmp"
+    staging_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging_root))
+    planted = plant(staging_root, "zoomkv-push-abc")
+    adapter = fresh_adapter(llama[0])
+    push = lambda: adapter.push_to_hub("user/probe")  # noqa: E731
+    assert survive(planted, [push, push], killed=push, recover=push) == 1
+    assert pushed[0] == ["README.md", "adapter_config.json", "adapter_model.safetensors"]

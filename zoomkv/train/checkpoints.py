@@ -10,6 +10,7 @@ uninterrupted one (CPU, same seed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 import yaml
 
 from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, checkpoint_files
-from zoomkv.adapters.files import is_adapter_folder, write_folder_atomically
+from zoomkv.adapters.config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+from zoomkv.adapters.files import INCOMPLETE_MARKER, is_adapter_folder, is_incomplete, write_folder_atomically
 from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
@@ -71,28 +73,34 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
     if not is_run_folder(run):
         raise ConfigError(f"run folder {run} (output_dir/run_name) holds files and no zoomkv run; choose another "
                           "run_name or output_dir (a run writes only into a new or empty folder, or its own)")
-    earlier = step_folders(run)
+    ours = step_folders(run)
     adapter = run / "adapter"
-    if adapter.is_dir() and is_adapter_folder(adapter):
-        earlier.append(adapter)
-    if earlier and not cfg.resume and not cfg.overwrite:
-        steps = [p.name[5:].lstrip("0") or "0" for p in earlier if p.name.startswith("step_")]
+    if adapter.is_dir() and not adapter.is_symlink() and is_adapter_folder(adapter):
+        ours.append(adapter)
+    steps = [p.name[5:].lstrip("0") or "0" for p in ours if p.name.startswith("step_") and (p / "DONE").is_file()]
+    finished = adapter in ours and not is_incomplete(adapter)
+    if (steps or finished) and not cfg.resume and not cfg.overwrite:
         what = (f"checkpoints up to step {steps[-1]}" if steps else "no checkpoint") + \
-            (" and an adapter" if adapter in earlier else "")
+            (" and an adapter" if finished else "")
         raise ConfigError(f"run folder {run} already holds a run ({what}); continue it with resume=latest, train "
                           "another run_name, or start it over with overwrite=true (removes its checkpoints and "
                           "adapter)")
-    return earlier if cfg.overwrite else []
+    return ours if cfg.overwrite else []
 
 
 def start_over(cfg: TrainConfig, earlier: list[Path]) -> None:
     """Main process, ``overwrite=true``: remove the earlier run's step folders and adapter (folders zoomkv wrote,
-    as ``check_run_folder`` found them) and the scores that described them; anything else stays. Then mark the
-    run folder as a run's."""
-    import shutil
-
+    as ``check_run_folder`` found them: the files it writes there, then the folder if nothing else is left in
+    it) and the scores that described them; anything else stays. Then mark the run folder as a run's."""
+    ours = {STATE_NAME, META_NAME, OPTIMIZER_NAME, TRAINER_NAME, "train_config.yaml", "DONE", WEIGHTS_NAME,
+            CONFIG_NAME, CARD_NAME, INCOMPLETE_MARKER}
     for folder in earlier:
-        shutil.rmtree(folder)
+        for name in ours:
+            (folder / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty: a file of the user's keeps its folder
+        if folder.is_dir():  # marked as an unfinished write of ours: nothing loads it, the run writes over it
+            (folder / INCOMPLETE_MARKER).write_bytes(b"started over\n")
     for name in ("eval.json", f"{cfg.training.report_name}.json"):
         (cfg.run_dir / name).unlink(missing_ok=True)
     claim_run_folder(cfg.run_dir)
