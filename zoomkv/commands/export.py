@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--license", default=None, metavar="ID",
                         help="the card's licence, a Hub licence id such as apache-2.0 or mit (default: the registered "
                              "base model's licence, else unknown)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing adapter folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing adapter folder (its adapter files only: other files in it are "
+                             "kept); a folder that is not an adapter is never replaced")
 
 
 def _budget(text: str | None) -> str | int | float | None:
