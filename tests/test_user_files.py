@@ -434,8 +434,9 @@ def test_train_keeps_every_user_file(tmp_path, capsys):
     planted |= plant(run / "checkpoints" / "step_000002")
     kills = survive(planted, [lambda: train(code=2), lambda: train("overwrite=true"),
                               lambda: train("resume=latest")],
-                    killed=lambda: train("overwrite=true"), recover=lambda: train("overwrite=true"))
-    assert kills >= 2
+                    killed=lambda: train("overwrite=true", "num_samples=3"),  # the teacher cache rewritten too
+                    recover=lambda: train("overwrite=true", "num_samples=3"))
+    assert kills >= 3
     ZoomAdapter.from_pretrained(run / "adapter")
 
 
