@@ -99,6 +99,11 @@ def test_overwrite_refuses_a_folder_that_is_not_an_adapter(tmp_path, probe_metho
         assert (mine / "README.md").read_text() == "my readme"
         assert sorted(p.name for p in mine.iterdir()) == ["README.md", "adapter_config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "new"]
+    link = tmp_path / "link"  # a link to an adapter: the link is the user's, never replaced by a folder
+    link.symlink_to(new)
+    assert main(["export", str(new), "--out", str(link), "--overwrite"]) == 2
+    assert "symbolic link" in one_error_line(capsys) and link.is_symlink()
+    link.unlink()
     empty = tmp_path / "empty"  # an empty folder loses nothing: written into, with or without --overwrite
     empty.mkdir()
     assert main(["export", str(new), "--out", str(empty)]) == 0

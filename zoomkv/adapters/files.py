@@ -103,6 +103,8 @@ def check_target(out: Path, *, overwrite: bool) -> None:
     an adapter without ``overwrite`` (an interrupted export is replaced without it)."""
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise AdapterExistsError(f"{out} exists and is not a folder (it is never replaced)")
+    if out.is_symlink():
+        raise AdapterExistsError(f"{out} is a symbolic link (it is never replaced); give the folder it points to")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not is_adapter_folder(out):
