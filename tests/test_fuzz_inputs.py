@@ -987,3 +987,199 @@ def test_jsonl_records(id, content, expect, tmp_path, capsys, monkeypatch):
 def test_data_sources(id, source, expect, files, tmp_path, capsys, monkeypatch):
     run_case([*EVAL_DATA, "--data", source.format(**files), "--out", str(tmp_path / "out")], expect, capsys,
              monkeypatch)
+
+
+# -- (e) files zoomkv reads back: models, adapter weights, teacher caches, eval rows, profiles (issue 32) ----
+# Each case spoils one file of a good artefact (a saved model folder, an eval run, a training run, a calibration
+# profile) in a copy and runs the command that reads it: one line and exit 2, or (a cache zoomkv owns) rebuilt.
+
+ST_PROMPT = ["--chat", "off", "--max-new-tokens", "2", "--prompt", PROMPT]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Good artefacts to spoil: tiny-llama saved as a model folder, an eval run, CompressKV and InfiniGen
+    profiles of tiny-llama."""
+    from zoomkv.models import load_model
+
+    tmp = tmp_path_factory.mktemp("saved")
+    model, tokenizer = load_model("tiny-llama")
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    out: dict[str, Path] = {"model": tmp / "model", "eval": tmp / "eval"}
+    assert main([*EVAL_BASE, "--methods", "snapkv", "--budgets", "64", "--out", str(out["eval"])]) == 0
+    out["compresskv"] = tmp / "compresskv.json"
+    assert main(["calibrate", "compresskv", "--model", "tiny-llama", "--samples", "1", "--length", "64",
+                 "--accept-all", "--quiet", "--out", str(out["compresskv"])]) == 0
+    out["infinigen"] = tmp / "infinigen.safetensors"
+    assert main(["calibrate", "infinigen", "--model", "tiny-llama", "--tokens", "64", "--quiet",
+                 "--output", str(out["infinigen"])]) == 0
+    return out
+
+
+def _copytree(src: Path, dst: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(src, dst))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _pickled_model(folder: Path) -> None:
+    """The weights as a pickle that would run code if unpickled (torch's weights_only load refuses it)."""
+    import os
+
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > /dev/null",))
+
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": Payload()}, folder / "pytorch_model.bin")
+
+
+def _model_case(spoil):
+    def make(saved, tmp):
+        folder = _copytree(saved["model"], tmp / "model")
+        spoil(folder)
+        return ["generate", "--model", str(folder), *ST_PROMPT]
+    return make
+
+
+def _rows_case(spoil):
+    def make(saved, tmp):
+        folder = _copytree(saved["eval"], tmp / "eval")
+        spoil(folder / "rows.jsonl")
+        return [*EVAL_BASE, "--methods", "snapkv", "--budgets", "64", "--out", str(folder)]
+    return make
+
+
+def _drop_task(rows: Path) -> None:
+    lines = rows.read_text().splitlines()
+    first = json.loads(lines[0])
+    del first["task"]
+    rows.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+
+
+def _latin1_row(rows: Path) -> None:
+    data = rows.read_bytes()
+    at = data.index(b'"prediction": "') + len(b'"prediction": "')
+    rows.write_bytes(data[:at] + b"caf\xe9 " + data[at:])
+
+
+def _profile_case(method: str, spoil):
+    def make(saved, tmp):
+        profile = spoil(saved, tmp)
+        return ["generate", "--model", "tiny-llama", *ST_PROMPT, "--method", method, "--budget", "32",
+                "--method-arg", f"profile={profile}"]
+    return make
+
+
+def _binary_file(saved, tmp) -> Path:
+    return _write(tmp / "profile.bin", BINARY)
+
+
+def _truncated(name: str):
+    def spoil(saved, tmp) -> Path:
+        path = tmp / saved[name].name
+        path.write_bytes(saved[name].read_bytes()[: saved[name].stat().st_size // 2])
+        return path
+    return spoil
+
+
+def _adapter_weights(fill: float):
+    """The sekv adapter with every weight set to ``fill`` and the checksum recomputed to match."""
+    def make(saved, tmp, adapters):
+        import torch
+        from safetensors.torch import load_file
+
+        from zoomkv.adapters.weights import sha256, tensors_to_bytes
+
+        folder = _copy(adapters, "sekv", tmp)
+        weights = folder / "adapter_model.safetensors"
+        data = tensors_to_bytes({k: torch.full_like(v, fill) for k, v in load_file(weights).items()})
+        weights.write_bytes(data)
+        _edit_json(folder / "adapter_config.json", lambda c: c.update(weights_sha256=sha256(data)))
+        return ["generate", "--model", "tiny-llama", *ST_PROMPT, "--adapter", str(folder)]
+    return make
+
+
+# (id, the spoiled artefact → argv, expected)
+READ_BACK_CASES = [
+    ("model-pickled-bin", _model_case(_pickled_model), "torch refused"),
+    ("model-truncated-safetensors", _model_case(lambda f: _truncate(f / "model.safetensors")), "truncated"),
+    ("model-layers-1e9", _model_case(lambda f: _edit_json(f / "config.json",
+                                                          lambda c: c.update(num_hidden_layers=10**9))),
+     "refused before allocating"),
+    ("model-layers-1e9-float", _model_case(
+        lambda f: (f / "config.json").write_text((f / "config.json").read_text().replace(
+            '"num_hidden_layers": 4', '"num_hidden_layers": 1e9'))), "num_hidden_layers"),
+    ("model-hidden-1e9", _model_case(lambda f: _edit_json(f / "config.json", lambda c: c.update(hidden_size=10**9))),
+     "refused before allocating"),
+    ("adapter-weights-nan", _adapter_weights(float("nan")), "non-finite"),
+    ("adapter-weights-inf", _adapter_weights(float("inf")), "non-finite"),
+    ("rows-missing-task", _rows_case(_drop_task), "rows.jsonl:1: the row lacks 'task'"),
+    ("rows-not-utf8", _rows_case(_latin1_row), "rows.jsonl:1: not UTF-8"),
+    ("rows-list", _rows_case(lambda rows: rows.write_text("[1, 2]\n" + rows.read_text())), "rows.jsonl:1"),
+    ("compresskv-profile-binary", _profile_case("compresskv", _binary_file), "not a CompressKV profile"),
+    ("compresskv-profile-truncated", _profile_case("compresskv", _truncated("compresskv")), "CompressKV profile"),
+    ("infinigen-profile-binary", _profile_case("infinigen", _binary_file), "not a zoomkv infinigen profile"),
+    ("infinigen-profile-truncated", _profile_case("infinigen", _truncated("infinigen")),
+     "not a zoomkv infinigen profile"),
+    ("infinigen-profile-json", _profile_case("infinigen", lambda saved, tmp: saved["compresskv"]),
+     "not a zoomkv infinigen profile"),
+]
+
+
+@pytest.mark.parametrize("id, make, expect", READ_BACK_CASES, ids=[c[0] for c in READ_BACK_CASES])
+def test_files_read_back(id, make, expect, saved, adapters, tmp_path, capsys, monkeypatch):
+    import inspect
+
+    argv = make(saved, tmp_path, adapters) if len(inspect.signature(make).parameters) == 3 else make(saved, tmp_path)
+    run_case(argv, expect, capsys, monkeypatch)
+
+
+def test_chat_with_stdin_closed(files, capsys, monkeypatch):
+    """``zoomkv chat ... <&-``: Python's sys.stdin is None; refused before the model loads."""
+    monkeypatch.setattr(sys, "stdin", None)
+    code = main([*CHAT_BASE, "--context-file", files["text"], *COMPRESS])
+    err = capsys.readouterr().err
+    assert code == 2 and "standard input, which is closed" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished tiny training run (its teacher cache in <run>/teacher)."""
+    out = tmp_path_factory.mktemp("trained")
+    assert main(["train", "--recipe", str(TINY_RECIPE), f"output_dir={out}", "steps=2", "--quiet"]) == 0
+    return out
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("id, spoil", [
+    ("sample-truncated", lambda teacher: _truncate(teacher / "sample_00001.safetensors")),
+    ("meta-corrupt", lambda teacher: (teacher / "meta.json").write_text('{"model": "tiny-llama", ')),
+    ("meta-binary", lambda teacher: (teacher / "meta.json").write_bytes(BINARY)),
+])
+def test_teacher_cache_spoiled(id, spoil, trained, tmp_path, capsys, monkeypatch):
+    """A spoiled teacher cache (zoomkv's own derived files) is extracted again, not a traceback."""
+    from safetensors.torch import load_file
+
+    out = _copytree(trained, tmp_path / "runs")
+    teacher = out / "sekv-tiny" / "teacher"
+    spoil(teacher)
+    code, _ = run_case(["train", "--recipe", str(TINY_RECIPE), f"output_dir={out}", "steps=2", "overwrite=true",
+                        "--quiet"], "ok", capsys, monkeypatch)
+    assert code == 0
+    for sample in teacher.glob("sample_*.safetensors"):
+        load_file(sample)
+    json.loads((teacher / "meta.json").read_text())

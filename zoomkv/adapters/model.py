@@ -33,6 +33,7 @@ from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.hub import push_folder, resolve_adapter
 from zoomkv.adapters.weights import (
     check_tensors,
+    check_values,
     load_into,
     module_tensors,
     read_weights,
@@ -73,6 +74,8 @@ def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
             )
         if tensors is not None:
             check_tensors(expected, tensors, source)
+    if tensors is not None:
+        check_values(tensors, source)
     modules = _build(training, method, shape, hyper, meta=False)
     assert modules is not None
     return modules

@@ -87,3 +87,11 @@ def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Te
     ]
     if wrong:
         raise AdapterShapeError(f"{source}: wrong shape(s): {'; '.join(wrong)}")
+
+
+def check_values(tensors: dict[str, torch.Tensor], source: str = "adapter weights") -> None:
+    """Every floating-point tensor holds finite numbers only: NaN or infinity in a trained module is refused at
+    load, not met as a crash (or a silent NaN) at the first prompt."""
+    bad = [k for k, t in sorted(tensors.items()) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise AdapterWeightsError(f"{source}: non-finite values (NaN or infinity) in {bad}")

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = run_from_args(args)  # every check that needs no model: method, budget, variants, adapter
     document = read_text_file(args.context_file, "context file")
+    if sys.stdin is None or sys.stdin.closed:  # started with its standard input closed (`zoomkv chat ... <&-`)
+        raise ZoomKVError("zoomkv chat reads the questions from standard input, which is closed; type them, or "
+                          "pipe them in (printf 'question\\n' | zoomkv chat ...)")
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=resolve_device(args.device))
     conversation = Conversation(model, tokenizer, document, spec.cache,
                                 chat=None if args.chat == "auto" else args.chat == "on",

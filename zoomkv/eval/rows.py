@@ -41,6 +41,31 @@ def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
             row["method"], row.get("method_args") or "", row.get("budget") or "")
 
 
+# What a row needs to be told apart from the others (row_key) and summarised: field → the JSON types it may hold.
+ROW_TYPES: dict[str, tuple[type, ...]] = {
+    "task": (str,), "length": (int,), "sample": (int,), "method": (str,),
+    "method_args": (str, type(None)), "budget": (str, type(None)), "depth": (int, float, type(None)),
+    "score": (int, float, type(None)),
+}
+REQUIRED_ROW_FIELDS = ("task", "length", "sample", "method")
+
+
+def check_row(row: Any, where: str) -> None:
+    """A row read back from a rows file holds the fields that identify it, of the types zoomkv writes; else
+    one ``ZoomKVError`` naming the file and line (a hand-edited or foreign row is refused, not half-read)."""
+    if not isinstance(row, dict):
+        raise ZoomKVError(f"{where}: a row is a JSON object, got {type(row).__name__}; fix or delete the line "
+                          "to resume")
+    missing = [k for k in REQUIRED_ROW_FIELDS if k not in row]
+    if missing:
+        raise ZoomKVError(f"{where}: the row lacks {', '.join(map(repr, missing))}; fix or delete the line to "
+                          "resume")
+    for key, types in ROW_TYPES.items():
+        value = row.get(key)
+        if key in row and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ZoomKVError(f"{where}: the row's {key!r} is {value!r}; fix or delete the line to resume")
+
+
 def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
     """``--out``: a folder that is there or can be made (a file in the way, a read-only place: one
     ``ZoomKVError`` naming it). Without ``create`` nothing is left behind: a probe folder is made and removed
@@ -65,6 +90,7 @@ def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
     return out
 
 
+_BAD = object()  # a line that is not JSON
 PART_GLOB = "rows.part-*.jsonl"  # one per process of a sharded run, merged into rows.jsonl at its end
 
 
@@ -212,15 +238,25 @@ class RowStore:
     def _read(self, path: Path) -> list[dict[str, Any]]:
         if not path.is_file():
             return []
-        lines = path.read_text(encoding="utf-8").split("\n")
+        try:
+            lines = path.read_text(encoding="utf-8").split("\n")
+        except UnicodeDecodeError as err:
+            line = path.read_bytes()[: err.start].count(b"\n") + 1
+            raise ZoomKVError(f"{path}:{line}: not UTF-8 text (byte {err.start}); fix or delete the line to "
+                              "resume") from None
         rows, good = [], []
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-                good.append(line)
+                row = json.loads(line)
             except json.JSONDecodeError:
+                row = _BAD
+            if row is not _BAD:
+                check_row(row, f"{path}:{number}")
+                rows.append(row)
+                good.append(line)
+            else:
                 if number >= len(lines) - 1:  # the last line, cut off by an interruption: redo that row
                     if path == self.write_path:  # another process's file is its to repair (it may be writing)
                         path.write_text("".join(g + "\n" for g in good), encoding="utf-8")

@@ -85,8 +85,13 @@ def _read_profile(path: str, mtime_ns: int) -> dict[str, Any]:
     """Parse and check a profile file (cached per path and modification time: one read per run)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+    except UnicodeDecodeError as err:
+        raise ZoomKVError(f"{path} is not a CompressKV profile (not UTF-8 text at byte {err.start}; the profile "
+                          "is the JSON file `zoomkv calibrate compresskv` writes)") from None
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, an integer of 4300+ digits
         raise ZoomKVError(f"cannot read the CompressKV profile {path}: {err}") from None
+    except RecursionError:
+        raise ZoomKVError(f"cannot read the CompressKV profile {path}: nested too deeply") from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ZoomKVError(f"{path} is not a CompressKV profile (no format {PROFILE_FORMAT!r})")
     if data.get("version") != PROFILE_VERSION:

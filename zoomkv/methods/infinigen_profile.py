@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from zoomkv.atomic import write_file_atomically
@@ -107,16 +107,21 @@ def resolve_profile(profile: str | None, model_name: str | None) -> Path:
 
 def load_layer(path: Path, layer_idx: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(skew [kv_heads, d, d], channels [kv_heads, k])`` of one layer, checked against the model."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ConfigError(f"{path} is not a zoomkv infinigen profile (format {meta.get('format')!r})")
-        name = f"layers.{layer_idx}.skew"
-        if name not in f.keys():
-            raise ConfigError(f"{path} has no layer {layer_idx}: it was built for another model "
-                              f"({meta.get('model', '?')})")
-        skew = f.get_tensor(name)
-        channels = f.get_tensor(f"layers.{layer_idx}.channels")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                raise ConfigError(f"{path} is not a zoomkv infinigen profile (format {meta.get('format')!r})")
+            name = f"layers.{layer_idx}.skew"
+            if name not in f.keys():
+                raise ConfigError(f"{path} has no layer {layer_idx}: it was built for another model "
+                                  f"({meta.get('model', '?')})")
+            skew = f.get_tensor(name)
+            channels = f.get_tensor(f"layers.{layer_idx}.channels")
+    except (SafetensorError, OSError) as err:  # a JSON, binary or truncated file: not safetensors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path} is not a zoomkv infinigen profile (not a readable safetensors file: {first}; "
+                          "`zoomkv calibrate infinigen` writes one)") from None
     if skew.shape[0] != kv_heads or skew.shape[-1] != head_dim:
         raise ConfigError(
             f"{path} was built for {skew.shape[0]} KV heads of dim {skew.shape[-1]} ({meta.get('model', '?')}), "

@@ -11,11 +11,14 @@ Names resolve in this order:
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,9 +41,69 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # What context_limit reports for a model whose config states no maximum context.
 NO_CONTEXT_LIMIT = 2**31 - 1
 
+def _first_line(err: BaseException) -> str:
+    """An error's message on one line: its first (with the next when the first ends in ':', as
+    huggingface_hub's field validation writes them); torch's C++ stack after it is left out."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def _load_config(source: str, *, local_only: bool) -> Any:
+    """The model's ``config.json`` through transformers (no code from the repository), its errors one line."""
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load model {source!r}: {_first_line(err)} (registered names: "
+                                 f"{', '.join(model_names())})") from err
+    except Exception as err:  # ValueError, huggingface_hub's strict field validation (a float where an int goes)
+        raise ModelNotFoundError(f"{source!r}: its config.json is not one transformers can load: "
+                                 f"{_first_line(err)}") from err
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory (None when the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_config_sizes(config: Any, source: str, dtype: torch.dtype) -> None:
+    """Refuse a config whose sizes make a model no machine here can hold (``num_hidden_layers: 1e9``), before
+    anything is allocated: building it would exhaust memory (or take for ever) instead of failing. The
+    parameter count is estimated from the sizes (embeddings, attention and MLP per layer) and held against
+    this machine's memory and, when it has one, the accelerator's."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if get_text is not None else config
+    sizes = {}
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads"):
+        value = getattr(text, key, None)
+        if value is None:  # a layout without it: the estimate does without
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelNotFoundError(f"{source!r}: config.json's {key} must be a positive integer, got {value!r}")
+        sizes[key] = value
+    hidden, layers = sizes.get("hidden_size", 1), sizes.get("num_hidden_layers", 1)
+    mlp = sizes.get("intermediate_size", 4 * hidden)
+    params = 2 * sizes.get("vocab_size", 1) * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp)
+    need = params * torch.empty((), dtype=dtype).element_size()
+    have = memory_bytes()
+    if torch.cuda.is_available():
+        have = (have or 0) + max(torch.cuda.get_device_properties(i).total_memory
+                                 for i in range(torch.cuda.device_count()))
+    if have is not None and need > have:
+        raise ModelNotFoundError(
+            f"{source!r}: config.json describes a model of about {params:.3g} parameters "
+            f"({', '.join(f'{k}={v}' for k, v in sizes.items())}), {need / 2**30:.3g} GiB as {str(dtype)[6:]}: "
+            f"more than this machine's memory ({have / 2**30:.3g} GiB); refused before allocating it")
+
+
 def _from_pretrained(
     source: str, *, dtype: torch.dtype, attn_implementation: str, local_only: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    check_config_sizes(_load_config(source, local_only=local_only), source, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -56,15 +119,25 @@ def _from_pretrained(
             f"(registered names: {', '.join(model_names())}; a hub id needs network access or a local copy "
             f"in the Hugging Face cache)"
         ) from err
+    except pickle.UnpicklingError as err:  # torch.load(weights_only=True) met Python objects, not only tensors
+        raise ModelNotFoundError(
+            f"{source!r}: torch refused to load its pickled weights (pytorch_model.bin holds Python objects, not "
+            "only tensors; nothing was run): zoomkv never unpickles code from a model file; use a copy in "
+            "safetensors format from a source you trust") from err
+    except (SafetensorError, EOFError, RuntimeError) as err:  # a truncated or corrupt weights file
+        raise ModelNotFoundError(f"{source!r}: its weights cannot be read (corrupt or truncated?): "
+                                 f"{_first_line(err)}") from err
     except ValueError as err:  # unrecognised architecture, or a repo that needs trust_remote_code
-        raise ModelNotFoundError(f"{source!r} is not a causal LM transformers can load natively: {err}") from err
+        raise ModelNotFoundError(f"{source!r} is not a causal LM transformers can load natively: "
+                                 f"{_first_line(err)}") from err
     return model, tokenizer
 
 
 def _random_from_config(
     folder: Path, *, dtype: torch.dtype, device: str | torch.device | None, attn_implementation: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    config = _load_config(str(folder), local_only=True)
+    check_config_sizes(config, str(folder), dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     target = torch.device(device) if device is not None else torch.device("cpu")
     with torch.random.fork_rng(devices=[target.index or 0] if target.type == "cuda" else []), target:

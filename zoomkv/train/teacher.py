@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from zoomkv import compat
 from zoomkv.data.training import Sample
-from zoomkv.errors import ConfigError
+from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.replay import record_prefill, record_surprisal
 
 CACHE_VERSION = 2  # 2: each layer's rotary table
@@ -104,7 +105,7 @@ def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_quer
     meta_path = folder / "meta.json"
     fingerprint = {**fingerprint, "version": CACHE_VERSION, "n": len(samples)}
     paths = [folder / f"sample_{i:05d}.safetensors" for i in range(len(samples))]
-    if meta_path.is_file() and json.loads(meta_path.read_text()) == fingerprint and all(p.is_file() for p in paths):
+    if _recorded(meta_path) == fingerprint and all(_readable(p) for p in paths):
         return paths
     meta_path.unlink(missing_ok=True)
     for sample, path in tqdm(list(zip(samples, paths, strict=True)), desc="teacher signals", disable=not show_progress):
@@ -116,8 +117,32 @@ def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_quer
     return paths
 
 
+def _recorded(meta_path: Path) -> Any:
+    """The fingerprint a cache recorded; None when there is none or it cannot be read (a corrupt meta.json
+    is a stale cache: it is extracted again)."""
+    try:
+        return json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _readable(path: Path) -> bool:
+    """A cached sample whose safetensors header is whole and covers the file (a truncated one is not)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (OSError, SafetensorError):
+        return False
+    return True
+
+
 def load_sample(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise ZoomKVError(f"teacher sample {path} cannot be read (corrupt or truncated: "
+                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                          f"delete {path.parent} to extract the teacher signals again") from None
 
 
 class CachedSamples(Sequence):
