@@ -23,8 +23,8 @@ import torch
 
 from zoomkv.adapters.config import CONFIG_NAME
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
-from zoomkv.adapters.files import write_folder_atomically
-from zoomkv.adapters.weights import module_tensors, read_weights, sha256, tensors_to_bytes
+from zoomkv.adapters.files import INCOMPLETE_MARKER, is_incomplete, write_folder_atomically
+from zoomkv.adapters.weights import module_tensors, read_weights, sha256, tensors_to_bytes, weights_identity
 from zoomkv.errors import ConfigError
 from zoomkv.protocol.shape import ModelShape
 
@@ -38,7 +38,7 @@ def checkpoint_files(modules: torch.nn.Module, *, method: str, hyper: dict[str, 
                      extra: dict[str, Any] | None = None) -> dict[str, bytes]:
     """The two files of a checkpoint (name → bytes), for callers that add files of their own (the trainer
     adds its optimizer state) before writing the folder atomically."""
-    state = tensors_to_bytes(module_tensors(modules))
+    state = tensors_to_bytes(module_tensors(modules), weights_identity(method, hyper, base_model))
     meta = {"method": method, "hyper": hyper, "base_model": base_model, "shape": shape.to_dict(),
             "budget": budget, **(extra or {}), "state_sha256": sha256(state)}
     return {STATE_NAME: state, META_NAME: (json.dumps(meta, sort_keys=True, indent=2) + "\n").encode("utf-8")}
@@ -57,11 +57,30 @@ def is_checkpoint(path: Path) -> bool:
     return (path / META_NAME).is_file() and (path / STATE_NAME).is_file() and not (path / CONFIG_NAME).is_file()
 
 
+# The trainer's step folders carry its state and end with DONE (zoomkv.train.checkpoints): one with the state and
+# without DONE was never finished.
+TRAINER_STATE_NAME = "trainer_state.json"
+DONE_NAME = "DONE"
+
+
+def check_finished(path: Path) -> None:
+    """Refuse a checkpoint folder that an interrupted or started-over write left: marked ``.zoomkv-incomplete``,
+    or a trainer's step folder without its ``DONE``. Such a folder exports and loads nothing."""
+    if is_incomplete(path):
+        raise AdapterNotFoundError(f"{path} is marked unfinished ({INCOMPLETE_MARKER}: an interrupted write, or a run "
+                                   "started over) and is not loaded; use a finished checkpoint")
+    if (path / TRAINER_STATE_NAME).is_file() and not (path / DONE_NAME).is_file():
+        raise AdapterNotFoundError(f"{path} is a training checkpoint without {DONE_NAME}: it was never finished and "
+                                   "is not loaded; use a finished checkpoint")
+
+
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], ModelShape, dict[str, torch.Tensor]]:
-    """``(meta, shape, tensors)`` of a training checkpoint folder; safetensors + JSON only."""
+    """``(meta, shape, tensors)`` of a training checkpoint folder; safetensors + JSON only. An unfinished one
+    (``check_finished``) is refused."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterNotFoundError(f"checkpoint folder not found: {path}")
+    check_finished(path)
     if not (path / META_NAME).is_file() or not (path / STATE_NAME).is_file():
         raise AdapterNotFoundError(
             f"{path} is not a training checkpoint: it needs {STATE_NAME} and {META_NAME} (or an exported adapter)"

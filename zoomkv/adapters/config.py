@@ -77,6 +77,10 @@ class ZoomAdapterConfig:
         if isinstance(name, str) and hub_name(name) != name:
             self.base_model = {**self.base_model, "name": hub_name(name)}
 
+    def weights_identity(self) -> dict[str, Any]:
+        """What this adapter's weights record they were saved for (``zoomkv.adapters.weights``)."""
+        return {"method": self.method, "hyper": self.hyper, "base_model": self.base_model}
+
     def model_shape(self) -> ModelShape:
         try:
             return ModelShape.from_dict(self.shape)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zoomkv.adapters.card import render_card
-from zoomkv.adapters.checkpoint import STATE_NAME, is_checkpoint, read_checkpoint
+from zoomkv.adapters.checkpoint import META_NAME, STATE_NAME, is_checkpoint, read_checkpoint
 from zoomkv.adapters.config import (
     CARD_NAME,
     CONFIG_NAME,
@@ -32,13 +32,16 @@ from zoomkv.adapters.errors import AdapterConfigError
 from zoomkv.adapters.files import write_folder_atomically
 from zoomkv.adapters.hub import push_folder, resolve_adapter
 from zoomkv.adapters.weights import (
+    check_identity,
     check_tensors,
     check_values,
     load_into,
     module_tensors,
+    read_identity,
     read_weights,
     sha256,
     tensors_to_bytes,
+    weights_identity,
 )
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.cache import ZoomCache, attach
@@ -74,10 +77,11 @@ def build_adapter_modules(method: str, shape: ModelShape, hyper: dict[str, Any],
             )
         if tensors is not None:
             check_tensors(expected, tensors, source)
-    if tensors is not None:
-        check_values(tensors, source)
+            check_values(tensors, source, expected=expected, bounds=training.weight_bounds)
     modules = _build(training, method, shape, hyper, meta=False)
     assert modules is not None
+    if tensors is not None and planned is None:
+        check_values(tensors, source, expected=modules.state_dict(), bounds=training.weight_bounds)
     return modules
 
 
@@ -180,6 +184,9 @@ class ZoomAdapter:
             modules = build_adapter_modules(meta["method"], shape, dict(meta["hyper"]), tensors,
                                             source=str(local / STATE_NAME))
             load_into(modules, tensors, source=str(local / STATE_NAME))
+            check_identity(read_identity(local / STATE_NAME), weights_identity(meta["method"], meta["hyper"],
+                                                                                meta["base_model"]),
+                           str(local / STATE_NAME), str(local / META_NAME))
             adapter = cls.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
                                        fingerprint=meta["base_model"], budget=meta.get("budget"))
         else:
@@ -187,13 +194,16 @@ class ZoomAdapter:
             config = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME)
             tensors = read_weights(folder / WEIGHTS_NAME, config.weights_sha256, recorded_in=str(folder / CONFIG_NAME))
             adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
+            # after the config's own checks (sizes, names): then whether the weights are this config's at all
+            check_identity(read_identity(folder / WEIGHTS_NAME), config.weights_identity(), str(folder / WEIGHTS_NAME),
+                           str(folder / CONFIG_NAME))
         if model is not None:
             adapter.check_base(model)
         return adapter
 
     def serialise(self, scores: dict[str, Any] | None = None, *, license: str | None = None) -> dict[str, bytes]:
         """The folder's files, in write order (the config records the weights' checksum)."""
-        weights = tensors_to_bytes(module_tensors(self.modules))
+        weights = tensors_to_bytes(module_tensors(self.modules), self.config.weights_identity())
         self.config = dataclasses.replace(self.config, weights_sha256=sha256(weights))
         return {
             WEIGHTS_NAME: weights,

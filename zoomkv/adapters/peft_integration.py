@@ -219,7 +219,8 @@ class ZoomKVPeftConfig(PeftConfig):
         if not weights.is_file():
             raise AdapterNotFoundError(f"{weights.parent}: no {WEIGHTS_NAME} (pickled adapter_model.bin files are "
                                        "never loaded)")
-        tensors = read_weights(weights, config.weights_sha256, recorded_in=f"{weights.parent / CONFIG_NAME}")
+        tensors = read_weights(weights, config.weights_sha256, recorded_in=f"{weights.parent / CONFIG_NAME}",
+                               identity=config.to_zoom_config().weights_identity())
         config._zoomkv_verified = _plain_keys(tensors)
         return config
 

@@ -55,6 +55,10 @@ class MethodTraining:
     # sizes); a key in neither is refused at load, so a misspelt one cannot be silently ignored. None: not
     # checked (a training that does not declare them).
     module_keys: ClassVar[tuple[str, ...] | None] = None
+    # The largest magnitude a loaded adapter's tensor may hold, by tensor name (the rest: 1e4,
+    # zoomkv.adapters.weights.DEFAULT_WEIGHT_BOUND): a value past it is no trained value (a log gain of 1e30
+    # would run as infinite gains) and the adapter is refused at load.
+    weight_bounds: ClassVar[dict[str, float]] = {}
 
     # -- the modules --------------------------------------------------------------------------------------
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> torch.nn.Module:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from zoomkv.adapters.model import ZoomAdapter
-from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.protocol.shape import ModelShape
+from zoomkv.errors import BaseModelMismatchError, ConfigError, ZoomKVError
+from zoomkv.models.registry import same_base_name
+from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, fingerprint_diff
 from zoomkv.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,22 @@ def build_adapter(cfg: TrainConfig, shape: ModelShape) -> torch.nn.Module:
         if loaded.config.method != cfg.method:
             raise ConfigError(f"recipe key 'init_adapter': {cfg.init_adapter} holds a {loaded.config.method!r} "
                               f"adapter, not {cfg.method!r}")
+        check_init_base(cfg, loaded.config.base_model, shape)
         return loaded.modules
     plan_adapter(cfg, shape)
     return cfg.training.init_modules(cfg, shape)
+
+
+def check_init_base(cfg: TrainConfig, recorded: dict[str, Any], shape: ModelShape) -> None:
+    """``init_adapter`` must have been trained on the recipe's base model (the fingerprint its config records
+    against the model's shape): modules of another model would train on from values that mean nothing here."""
+    actual = {"name": cfg.model, **{k: getattr(shape, k) for k in FINGERPRINT_KEYS}}
+    differing = fingerprint_diff(recorded, actual)
+    if differing:
+        raise ConfigError(f"recipe key 'init_adapter': {BaseModelMismatchError(recorded, actual, differing)}")
+    if recorded.get("name") and not same_base_name(recorded.get("name"), cfg.model):
+        logger.warning("init_adapter %s was trained on %r, the recipe trains on %r (same architecture and sizes)",
+                       cfg.init_adapter, recorded.get("name"), cfg.model)
 
 
 def plan_adapter(cfg: TrainConfig, shape: ModelShape) -> None:

@@ -80,5 +80,11 @@ def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
     limit = hyper.get("max_trainable_fraction", DEFAULT_MAX_FRACTION)
     if not isinstance(limit, int | float) or isinstance(limit, bool) or not 0 < limit <= 1:
         raise ConfigError(f"sekv hyper-parameter 'max_trainable_fraction' must lie in (0, 1], got {limit!r}")
-    return SeKVAdapter(len(shape.full_attention_layers), shape.num_kv_heads, shape.head_dim,
+    sizes = {"num_layers": len(shape.full_attention_layers), "kv_heads": shape.num_kv_heads,
+             "head_dim": shape.head_dim}
+    for key, size in sizes.items():  # recorded by hyper(): they must be the base model's, not merely known keys
+        if key in hyper and hyper[key] != size:
+            raise ConfigError(f"sekv hyper-parameter {key!r} is {hyper[key]!r}, but the base model's shape makes "
+                              f"it {size} (the modules are sized by the model)")
+    return SeKVAdapter(sizes["num_layers"], sizes["kv_heads"], sizes["head_dim"],
                        rotation_seed=hyper_int(hyper, "rotation_seed", 0, 0, MAX_SEED))

@@ -311,6 +311,9 @@ class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
     size_hint = "sekv's modules are sized by the model (layers x KV heads x head_dim): nothing to lower"
     module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "max_trainable_fraction")
+    # code_gain is a log gain (exp(30) ~ 1e13 already drowns every other coordinate); the logits' biases
+    # saturate a softmax long before 50
+    weight_bounds = {"code_gain": 30.0, "summary_bias": 50.0, "layer_logit": 50.0}
 
     def build_modules(self, shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
         # The method settings an adapter records are checked here too, so a bad one is refused at load
