@@ -160,6 +160,10 @@ def parse_run(method: str | None = None, adapter: str | None = None, budget: str
         raise ZoomKVError(f"--method takes one method here, got {method!r}")
     runs = parse_runs([] if adapter is not None else [method or REFERENCE],
                       [adapter] if adapter is not None else [], budgets, **options)
+    if budgets and runs[0].cache.budget is None:  # held by nothing: a report of "budget 8" would be a lie
+        raise ZoomKVError(f"method {runs[0].cache.method.name!r} keeps every row on the device and takes no budget; "
+                          f"--budget {budgets[0]} would hold nothing (give a method that compresses, see "
+                          "`zoomkv methods`)")
     return runs[0]
 
 

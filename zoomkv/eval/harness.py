@@ -121,7 +121,11 @@ def prepare(cfg: EvalConfig) -> Prepared:
         raise ZoomKVError("nothing to evaluate: give --tasks, --data or --grid-lengths")
     # the prose is loaded only when a task runs on it (a first load of the shipped corpus takes a second)
     wants_prose = bool(cfg.grid_lengths) or any(SYNTHETIC_TASKS[t].essay for t in cfg.tasks)
-    essays = text_haystack(cfg.haystack) if wants_prose else None
+    essays = _haystack(cfg.haystack) if wants_prose else None
+    if not wants_prose and cfg.haystack not in (DEFAULT_PROSE, "noise"):
+        _haystack(cfg.haystack)  # a haystack that does not load is refused whether or not a task reads it
+        log.warning("--haystack %s: no task of this run reads a haystack (only the essay tasks marked [uses "
+                    "--haystack] in --list-tasks, and the --grid-lengths grid); it is not used", cfg.haystack)
     groups: list[tuple[str, int, float | None, int]] = []
     for length in cfg.lengths:
         groups += [(t, length, None, cfg.samples) for t in cfg.tasks]
@@ -129,6 +133,13 @@ def prepare(cfg: EvalConfig) -> Prepared:
     for length in cfg.grid_lengths:
         groups += [(GRID_TASK, length, round(d, 4), cfg.samples) for d in cfg.grid_depths]
     return Prepared(runs, data, essays, groups)
+
+
+def _haystack(source: str) -> Haystack:
+    try:
+        return text_haystack(source)
+    except ZoomKVError as err:
+        raise ZoomKVError(f"--haystack {source}: {str(err).removeprefix(f'haystack {source}: ')}") from None
 
 
 def check_lengths(cfg: EvalConfig, model_max: int, model_name: str) -> None:
@@ -260,7 +271,7 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     procs = join_processes(cfg.device)
     store = RowStore(cfg.out, part=procs.rank if procs.world > 1 else None)
     if not cfg.overwrite:
-        store.check_identity(_identity(cfg, prep, cfg.chat))  # every process: each refuses alike
+        store.check_identity(_identity(cfg, prep, cfg.chat), resuming=not cfg.report_only)  # every process alike
     procs.wait()
     if cfg.overwrite and procs.main:
         store.clear()

@@ -91,6 +91,7 @@ def check_output_folder(out: str | Path, *, create: bool = False) -> Path:
 
 
 _BAD = object()  # a line that is not JSON
+IDENTITY_REQUIRED = ("model", "seed")  # what run.json must record for rows to be resumed
 PART_GLOB = "rows.part-*.jsonl"  # one per process of a sharded run, merged into rows.jsonl at its end
 
 
@@ -189,12 +190,24 @@ class RowStore:
             old.setdefault("protocol", "query-aware")  # rows written before protocols existed put the question in
         return old
 
-    def check_identity(self, identity: dict[str, Any]) -> None:
+    def check_identity(self, identity: dict[str, Any], *, resuming: bool = True) -> None:
         """Refuse rows of another run (model, seed, chat, ...): the settings both record and differ in. A
-        setting given as None is not known yet (``--chat auto`` before the tokenizer is loaded)."""
+        setting given as None is not known yet (``--chat auto`` before the tokenizer is loaded). Rows to resume
+        (``resuming``; not ``--report-only``, which adds none) need a run.json that records their model and seed,
+        and rows that name no other model: else nothing tells them apart from another run's."""
         if not self.has_rows():
             return
         old = self.recorded_identity()
+        missing = [k for k in IDENTITY_REQUIRED if k in identity and k not in old]
+        if resuming and missing:
+            raise ZoomKVError(f"{self.run_file} does not record the {' and '.join(missing)} of the rows in {self.out} "
+                              "(missing, corrupt or edited), so they cannot be told from another run's; use another "
+                              "--out, or --overwrite to start afresh")
+        if resuming and "model" in identity:
+            models = sorted({str(r.get("model")) for r in self.load() if r.get("model") not in (None, identity["model"])})
+            if models:
+                raise ZoomKVError(f"{self.out} holds rows of model(s) {', '.join(models)}, not {identity['model']!r} "
+                                  f"(whatever {RUN_FILE} says); use another --out, or --overwrite to start afresh")
         diff = [k for k in identity if k in old and identity[k] is not None and old[k] != identity[k]]
         if diff:
             what = "; ".join(f"{k}: {old[k]!r} there, {identity[k]!r} now" for k in diff)

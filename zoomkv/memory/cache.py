@@ -89,8 +89,11 @@ class MemoryReport:
 
     def format(self) -> str:
         full = max(self.full_kv_bytes, 1)
+        budget = f"budget {self.budget if self.budget is not None else '-'} rows"
+        if self.budget is not None and self.layers and not any(r.kind == "zoom" for r in self.layers):
+            budget += " held by no layer: every layer kept whole"  # (quest with dense_layers >= the layers)
         lines = [
-            f"memory ({self.method}, budget {self.budget if self.budget is not None else '-'} rows, {self.tokens} tokens):",
+            f"memory ({self.method}, {budget}, {self.tokens} tokens):",
             f"  device tier {_mib(self.device_bytes):>10}  ({self.device_bytes / full:6.1%} of full KV)",
             f"  host tier   {_mib(self.host_bytes):>10}  ({self.host_bytes / full:6.1%} of full KV)",
             f"  full KV     {_mib(self.full_kv_bytes):>10}",

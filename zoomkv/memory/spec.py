@@ -16,6 +16,7 @@ The command line reaches a spec through ``zoomkv.runspec`` (one grammar for ever
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ from zoomkv.memory.quant import QuantSpec
 from zoomkv.protocol.method import KVMethod
 from zoomkv.protocol.registry import get_method
 from zoomkv.protocol.shape import check_base_model
+
+log = logging.getLogger(__name__)
 
 TAIL_ROWS = 1  # the softmax tail's row per KV head (zoomkv.memory.tail): one of the budget's B rows
 
@@ -57,6 +60,7 @@ class CacheSpec:
     kv_quant: QuantSpec | None = None  # int8/int4 rows in the host tier (every tier with tiers="all")
     prefill_chunk: int | None = None  # longer inputs go through in pieces of this many tokens
     trained: TrainedModules | None = field(default=None, compare=False)  # a loaded adapter's modules and base
+    _warned: bool = field(default=False, init=False, repr=False, compare=False)  # said once per spec, not per cache
 
     def __post_init__(self) -> None:
         method = self.method
@@ -118,15 +122,34 @@ class CacheSpec:
         max_len = getattr(compat.text_config(config), "max_position_embeddings", None)
         if self.budget is not None:
             self.budget.check_fits(max_len)
+        if self.method.uses_budget and self.budget is not None and not self._warned \
+                and not self.compressed_layers(config):
+            object.__setattr__(self, "_warned", True)
+            log.warning("%s compresses none of this model's %d layers (its settings keep every one whole%s): "
+                        "the budget %s holds no layer and the cache is as large as full KV", self.method.name,
+                        len(compat.layer_types(config)), _dense_hint(self.method), self.budget)
         head_dim = compat.head_dim(config)
         if self.kv_quant is not None and head_dim % min(self.kv_quant.group_size, head_dim):
             raise ConfigError(f"quantization group size {self.kv_quant.group_size} does not divide head_dim {head_dim}")
+
+    def compressed_layers(self, model_or_config: Any) -> list[int]:
+        """The model's layers this spec's method holds to the budget: full-attention layers it does not keep
+        whole (``KVMethod.dense_layer``); sliding layers pass through."""
+        config = getattr(model_or_config, "config", model_or_config)
+        types = compat.layer_types(config)
+        return [i for i, kind in enumerate(types)
+                if kind == "full_attention" and not self.method.dense_layer(i, len(types))]
 
     @property
     def label(self) -> str:
         """The method and its variants as the command line writes them: ``quest+tail+int8``."""
         quant = f"+int{self.kv_quant.bits}" if self.kv_quant is not None else ""
         return self.method.name + ("+tail" if self.tail_summary else "") + quant
+
+
+def _dense_hint(method: KVMethod) -> str:
+    dense = getattr(method.config, "dense_layers", None)
+    return f", dense_layers={dense}" if isinstance(dense, int) and dense else ""
 
 
 def quant_spec(method: KVMethod, kv_quant: str | QuantSpec | None, tiers: str | None = None,

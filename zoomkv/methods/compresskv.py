@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.models.registry import same_base_name
 from zoomkv.protocol.eviction import (
     NEG_INF,
     EvictionMethod,
@@ -250,8 +251,23 @@ class CompressKV(EvictionMethod):
         return budgets[zoom.index(layer_idx)]
 
     # -- prefill --------------------------------------------------------------------------------------
+    def check_profile_model(self, profile: dict[str, Any], model_name: str | None) -> None:
+        """A profile calibrated on another model is refused, naming both (its heads and layer errors are that
+        model's), unless ``model=`` names the profile's model: the explicit choice to use it here."""
+        recorded = profile.get("model")
+        if not isinstance(recorded, str) or not model_name or same_base_name(recorded, model_name):
+            return
+        if self.config.model is not None and same_base_name(self.config.model, recorded):
+            return
+        where = self.config.profile or default_profile_path(self.config.model or model_name)
+        raise ZoomKVError(
+            f"the CompressKV profile {where} was calibrated on {recorded!r}, not on {model_name!r}: its retrieval heads "
+            f"and layer errors are that model's; run `{calibrate_command(model_name)}` (or pass model={recorded} to "
+            "use it anyway)")
+
     def compress(self, memory: LayerMemory, ctx: PrefillContext) -> None:
         profile = self.profile(getattr(ctx, "model_name", None))
+        self.check_profile_model(profile, getattr(ctx, "model_name", None))
         heads = self._heads(profile, ctx)
         capacity = self.capacity(ctx)
         store_rows(memory, ctx, *self.selection(ctx, heads, capacity), capacity)
