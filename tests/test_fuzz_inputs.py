@@ -115,6 +115,7 @@ def run_case(argv: list[str], expect: str | None, capsys, monkeypatch, stdin: st
         lines = [line for line in re.split(r"[\r\n]", captured.err) if line.strip() and not PROGRESS.search(line)]
         assert len(lines) == 1, f"zoomkv {' '.join(argv)[:300]}: {len(lines)} lines on stderr:\n{captured.err[-2000:]}"
         assert "error" in lines[0]
+        assert expect != "ok", f"zoomkv {' '.join(argv)[:300]}: expected to succeed: {lines[0]}"
         if expect not in (None, "ok"):
             assert expect in lines[0], lines[0]
         return code, lines[0]
@@ -169,7 +170,9 @@ GENERATE = cases(GEN, [
     ("budget-fraction-over-1", ["--prompt", PROMPT, "--method", "snapkv", "--budget", "1.5"], "budget"),
     ("budget-fraction-tiny", ["--prompt", PROMPT, "--method", "oracle_topk", "--budget", "1e-9"], None),
     ("budget-missing", ["--prompt", PROMPT, "--method", "snapkv"], "needs a budget"),
-    ("budget-for-full", ["--prompt", PROMPT, "--budget", "32"], None),
+    ("budget-for-full", ["--prompt", PROMPT, "--budget", "32"], "takes no budget"),  # held by nothing (issue 32)
+    ("budget-for-full-named", ["--prompt", PROMPT, "--method", "full", "--budget", "8"], "takes no budget"),
+    ("adapter-empty", ["--prompt", PROMPT, "--adapter", ""], "empty"),
     ("method-arg-abc", ["--prompt", PROMPT, "--method", "quest", "--budget", "32", "--method-arg", "page_size=abc"],
      "page_size"),
     ("method-arg-float", ["--prompt", PROMPT, "--method", "quest", "--budget", "32", "--method-arg", "page_size=2.5"],
@@ -281,6 +284,7 @@ BENCH = cases(BENCH_BASE, [
     ("prefill-chunk-negative", ["--length", "64", "--prefill-chunk", "-4"], "prefill"),
     ("model-unknown", ["--length", "64", "--model", "nope"], "nope"),
     ("dtype-bad", ["--length", "64", "--dtype", "int3"], "int3"),
+    ("batch-size-huge", ["--length", "64", "--batch-size", "100000000"], "--batch-size 100000000"),
     ("device-bad", ["--length", "64", "--device", "cuda:7"], "cuda:7"),
 ])
 
@@ -335,8 +339,11 @@ EVAL = cases(EVAL_BASE, [
                                   "--out", "{out}"], "quest"),
     ("method-args-unknown-method", ["--methods", "snapkv", "--budgets", "64", "--method-args", "nope.x=1",
                                     "--out", "{out}"], "nope"),
-    ("haystack-missing", ["--tasks", "niah_single_1", "--haystack", "{missing}", "--out", "{out}"], None),
-    ("haystack-binary", ["--tasks", "niah_single_1", "--haystack", "{binary}", "--out", "{out}"], None),
+    # niah_single_1 reads no haystack: a bad one is refused all the same (issue 32)
+    ("haystack-missing", ["--tasks", "niah_single_1", "--haystack", "{missing}", "--out", "{out}"], "--haystack"),
+    ("haystack-binary", ["--tasks", "niah_single_1", "--haystack", "{binary}", "--out", "{out}"], "--haystack"),
+    ("haystack-missing-essay", ["--tasks", "niah_single_2", "--haystack", "{missing}", "--out", "{out}"],
+     "--haystack"),
     ("adapter-missing", ["--adapter", "{missing}", "--out", "{out}"], "no-such-file"),
     ("adapter-dotdot", ["--adapter", "a/..", "--out", "{out}"], "a/.."),
     ("data-format-bad", ["--data", "{text}", "--data-format", "csvx", "--out", "{out}"], "invalid choice"),
@@ -515,7 +522,7 @@ RECIPE_CASES = [
     ("empty-key", RECIPE + "'': 1\n", "unknown recipe key"),
     ("number-key", RECIPE + "5: 1\n", "unknown recipe key"),
     ("null-key", RECIPE + "~: 1\n", "unknown recipe key"),
-    ("duplicate-key", RECIPE + "lr: 0.02\n", None),
+    ("duplicate-key", RECIPE + "lr: 0.02\n", "duplicate key 'lr'"),
     # the method's own keys: sizes that would allocate far more than the base model
     ("code-bits-huge", _recipe_with(code_bits="99999999999999999999"), "code_bits"),
     ("code-bits-odd", _recipe_with(code_bits="3"), "code_bits"),
@@ -540,6 +547,9 @@ OVERRIDE_CASES = [
     ("empty-value", ["lr="], "lr"),
     ("nan", ["lr=.nan"], "lr"),
     ("method-unknown", ["method=nope"], "method"),
+    ("samples-per-step-huge", ["samples_per_step=1000000000"], "samples_per_step"),
+    ("eval-baselines-unknown", ["eval_baselines=nosuch", "eval_samples=0"], "eval_baselines"),
+    ("eval-baselines-unknown-evaluated", ["eval_baselines=quest,nosuch", "eval_samples=1"], "nosuch"),
 ]
 
 RECIPE_FILES = [("missing", None, "not found"), ("folder", "DIR", "not found")]
@@ -644,7 +654,12 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
                                   name="tiny-llama", budget=64)
     semantic = ZoomAdapter.initialise(model, "semantic_id", {"sem_dim": 8, "hidden": 16}, name="tiny-llama",
                                       budget=64)
-    return {"sekv": sekv.save_pretrained(tmp / "sekv"), "semantic_id": semantic.save_pretrained(tmp / "semantic_id")}
+    # the same method on another base model of the same adapter shapes, and with another hyper-parameter
+    qwen = ZoomAdapter.initialise(load_model("tiny-qwen2")[0], "sekv", {"code_bits": 1, "rotation_seed": 8},
+                                  name="tiny-qwen2", budget=64)
+    bits = ZoomAdapter.initialise(model, "sekv", {"code_bits": 2, "rotation_seed": 8}, name="tiny-llama", budget=64)
+    return {"sekv": sekv.save_pretrained(tmp / "sekv"), "semantic_id": semantic.save_pretrained(tmp / "semantic_id"),
+            "sekv-qwen2": qwen.save_pretrained(tmp / "sekv-qwen2"), "sekv-bits2": bits.save_pretrained(tmp / "sekv-bits2")}
 
 
 def _weights_bytes(folder: Path) -> int:
@@ -719,7 +734,8 @@ ADAPTER_CASES = [
     ("seed-map", "sekv", _set("hyper.rotation_seed", {"a": 1}), "rotation_seed"),
     ("seed-2-63", "sekv", _set("hyper.rotation_seed", 2**63), "rotation_seed"),
     ("seed-10-30", "sekv", _set("hyper.rotation_seed", 10**30), "rotation_seed"),
-    ("seed-other", "sekv", _set("hyper.rotation_seed", 9), "ok"),  # another rotation, same shapes: loads
+    # another rotation, same shapes: the weights record the rotation they were trained with (issue 32)
+    ("seed-other", "sekv", _set("hyper.rotation_seed", 9), "saved for another adapter"),
     ("code-bits-word", "sekv", _set("hyper.code_bits", "abc"), "code_bits"),
     ("code-bits-odd", "sekv", _set("hyper.code_bits", 3), "code_bits"),
     ("code-bits-huge", "sekv", _set("hyper.code_bits", 10**30), "code_bits"),
@@ -729,6 +745,12 @@ ADAPTER_CASES = [
     ("hyper-unknown", "sekv", _set("hyper.foo", 1), None),
     ("sem-dim-huge", "semantic_id", _set("hyper.sem_dim", 10**9), "sem_dim"),
     ("hidden-huge", "semantic_id", _set("hyper.hidden", 10**8), "refused before allocating"),
+    # sekv's modules are sized by the model: a size in its hyper must be the model's, not ignored (issue 32)
+    ("hyper-num-layers-huge", "sekv", _set("hyper.num_layers", 10**9), "num_layers"),
+    ("hyper-head-dim-huge", "sekv", _set("hyper.head_dim", 10**9), "head_dim"),
+    ("hyper-kv-heads-other", "sekv", _set("hyper.kv_heads", 3), "kv_heads"),
+    # the model's own size, but not what the weights were saved with: an edited config is not the weights' config
+    ("hyper-num-layers-model", "sekv", _set("hyper.num_layers", 4), "saved for another adapter"),
     ("projector-path", "semantic_id", _set("hyper.projector", "/etc/passwd"), "projector"),
     ("projector-relative", "semantic_id", _set("hyper.projector", "../sekv/adapter_model.safetensors"),
      "projector"),
@@ -846,6 +868,7 @@ EXPORT_OPTIONS = [
     ("scores-dir", ["export", "{adapter}", "--out", "{out}", "--scores", "{dir}"], "folder"),
     ("push-offline", ["push", "{adapter}", "--repo-id", "me/x"], "offline"),
     ("push-bad-repo", ["push", "{adapter}", "--repo-id", "a/../b"], None),
+    ("out-empty", ["export", "{adapter}", "--out", ""], "--out needs a folder name"),
 ]
 
 
@@ -853,9 +876,11 @@ EXPORT_OPTIONS = [
 def test_export_and_push_options(id, argv, expect, adapters, files, tmp_path, capsys, monkeypatch):
     folder = _copy(adapters, "sekv", tmp_path)
     before = sorted(p.name for p in folder.iterdir())
+    defaults = sorted(p.name for p in (ROOT / "checkpoints").iterdir())
     run_case([a.format(adapter=folder, out=tmp_path / "out", **files) for a in argv], expect, capsys, monkeypatch)
     assert sorted(p.name for p in folder.iterdir()) == before  # the source adapter is never harmed
     assert Path(files["existing"]).is_file()
+    assert sorted(p.name for p in (ROOT / "checkpoints").iterdir()) == defaults  # nothing at the default --out
 
 
 @pytest.mark.parametrize("id, name, change, expect", WEIGHTS_CASES, ids=[c[0] for c in WEIGHTS_CASES])
@@ -1011,6 +1036,9 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     out["compresskv"] = tmp / "compresskv.json"
     assert main(["calibrate", "compresskv", "--model", "tiny-llama", "--samples", "1", "--length", "64",
                  "--accept-all", "--quiet", "--out", str(out["compresskv"])]) == 0
+    out["compresskv-qwen2"] = tmp / "compresskv-qwen2.json"
+    assert main(["calibrate", "compresskv", "--model", "tiny-qwen2", "--samples", "1", "--length", "64",
+                 "--accept-all", "--quiet", "--out", str(out["compresskv-qwen2"])]) == 0
     out["infinigen"] = tmp / "infinigen.safetensors"
     assert main(["calibrate", "infinigen", "--model", "tiny-llama", "--tokens", "64", "--quiet",
                  "--output", str(out["infinigen"])]) == 0
@@ -1183,3 +1211,119 @@ def test_teacher_cache_spoiled(id, spoil, trained, tmp_path, capsys, monkeypatch
     for sample in teacher.glob("sample_*.safetensors"):
         load_file(sample)
     json.loads((teacher / "meta.json").read_text())
+
+
+# -- (f) silent wrong results: refused, or said (issue 32) ---------------------------------------------------
+
+def _weights_swapped(source: str):
+    """The sekv adapter with the weights of adapter ``source`` (same names and shapes), checksum recomputed."""
+    def make(saved, tmp, adapters):
+        from zoomkv.adapters.weights import sha256
+
+        folder = _copy(adapters, "sekv", tmp)
+        data = (adapters[source] / "adapter_model.safetensors").read_bytes()
+        (folder / "adapter_model.safetensors").write_bytes(data)
+        _edit_json(folder / "adapter_config.json", lambda c: c.update(weights_sha256=sha256(data)))
+        return ["generate", "--model", "tiny-llama", *ST_PROMPT, "--adapter", str(folder)]
+    return make
+
+
+def _weights_as(dtype: str):
+    """The sekv adapter's weights cast to ``dtype`` (values kept), checksum recomputed."""
+    def make(saved, tmp, adapters):
+        import torch
+        from safetensors.torch import load_file
+
+        from zoomkv.adapters.weights import sha256, tensors_to_bytes
+
+        folder = _copy(adapters, "sekv", tmp)
+        weights = folder / "adapter_model.safetensors"
+        data = tensors_to_bytes({k: v.to(getattr(torch, dtype)) for k, v in load_file(weights).items()})
+        weights.write_bytes(data)
+        _edit_json(folder / "adapter_config.json", lambda c: c.update(weights_sha256=sha256(data)))
+        return ["generate", "--model", "tiny-llama", *ST_PROMPT, "--adapter", str(folder)]
+    return make
+
+
+def _checkpoint(spoil):
+    """A training checkpoint folder of the sekv adapter (as the trainer writes one), spoiled, then exported."""
+    def make(saved, tmp, adapters):
+        from zoomkv.adapters.checkpoint import write_checkpoint
+        from zoomkv.adapters.model import ZoomAdapter
+
+        adapter = ZoomAdapter.from_pretrained(adapters["sekv"])
+        c = adapter.config
+        folder = write_checkpoint(tmp / "step_000002", adapter.modules, method=c.method, hyper=c.hyper,
+                                  base_model=c.base_model, shape=c.model_shape(), budget=c.budget)
+        spoil(folder)
+        return ["export", str(folder), "--out", str(tmp / "exported")]
+    return make
+
+
+def _run_json(edit, model: str = "tiny-qwen2"):
+    """The eval run of tiny-llama with its run.json edited, resumed as a run of ``model``."""
+    def make(saved, tmp):
+        folder = _copytree(saved["eval"], tmp / "eval")
+        _edit_json(folder / "run.json", edit)
+        return [*EVAL_BASE, "--model", model, "--methods", "snapkv", "--budgets", "64", "--out", str(folder)]
+    return make
+
+
+def _keep_only(*keys: str):
+    def edit(record: dict) -> None:
+        for key in list(record):
+            if key not in keys:
+                del record[key]
+    return edit
+
+
+SILENT_CASES = [
+    ("weights-of-another-base-model", _weights_swapped("sekv-qwen2"), "saved for another adapter"),
+    ("weights-of-other-hyper", _weights_swapped("sekv-bits2"), "hyper-parameters ['code_bits']"),
+    ("weights-1e30", _adapter_weights(1e30), "out of any trained range"),
+    ("weights-gain-100", _adapter_weights(100.0), "code_gain"),
+    ("weights-int64", _weights_as("int64"), "wrong dtype"),
+    ("weights-float16", _weights_as("float16"), "ok"),  # another float precision is cast, as ever
+    ("checkpoint-marked-incomplete", _checkpoint(lambda f: (f / ".zoomkv-incomplete").write_text("x")),
+     "unfinished"),
+    ("checkpoint-without-done", _checkpoint(lambda f: (f / "trainer_state.json").write_text("{}")), "without DONE"),
+    ("checkpoint-with-done", _checkpoint(lambda f: [(f / n).write_text("{}") for n in ("trainer_state.json", "DONE")]),
+     "ok"),
+    ("compresskv-profile-other-model", _profile_case("compresskv", lambda saved, tmp: saved["compresskv-qwen2"]),
+     "calibrated on 'tiny-qwen2', not on 'tiny-llama'"),
+    ("run-json-without-model", _run_json(lambda r: r.pop("model")), "does not record the model"),
+    ("run-json-outputs-only", _run_json(_keep_only("outputs")), "does not record the model and seed"),
+    ("run-json-other-model", _run_json(lambda r: r.update(model="tiny-qwen2")), "rows of model(s) tiny-llama"),
+    ("run-json-same-run", _run_json(lambda r: None, model="tiny-llama"), "ok"),
+]
+
+
+@pytest.mark.parametrize("id, make, expect", SILENT_CASES, ids=[c[0] for c in SILENT_CASES])
+def test_silent_wrong_results(id, make, expect, saved, adapters, tmp_path, capsys, monkeypatch):
+    import inspect
+
+    argv = make(saved, tmp_path, adapters) if len(inspect.signature(make).parameters) == 3 else make(saved, tmp_path)
+    code, _ = run_case(argv, expect, capsys, monkeypatch)
+    assert (code == 0) == (expect == "ok")
+
+
+def test_adapter_and_method_together(adapters, tmp_path, capsys, monkeypatch):
+    """``generate --adapter X --method quest`` would run X's method and drop --method: refused."""
+    run_case([*GEN_P, "--adapter", str(adapters["sekv"]), "--method", "quest"], "contradicts", capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("name, expect", [("sekv-qwen2", "differ in model_type"), ("sekv", "ok")])
+def test_init_adapter_base_model(name, expect, adapters, capsys, monkeypatch):
+    """``init_adapter=`` of another base model is refused (not only another method)."""
+    argv = ["train", "--recipe", str(TINY_RECIPE), "--dry-run", f"init_adapter={adapters[name]}"]
+    code, _ = run_case(argv, expect, capsys, monkeypatch)
+    assert (code == 0) == (expect == "ok")
+
+
+def test_dense_layers_covering_the_model(capsys, monkeypatch):
+    """quest with dense_layers past the model's layers compresses nothing: said on stderr and in the report,
+    not reported as a budget of 32 rows held."""
+    code = main([*GEN_P, "--method", "quest", "--budget", "32", "--method-arg", "dense_layers=1000"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err.count("compresses none of this model's 4 layers") == 1
+    assert "budget 32 rows held by no layer" in captured.out

@@ -51,6 +51,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
                           f"context of {context_limit(model)} tokens")
     for run in runs:
         run.cache.check_model(model)  # another base model than an adapter's, a budget over the model's context
+    _check_batch_fits(model, batch, args.length + args.new_tokens)
     _progress(t0, f"model on {model.device}; building a {args.length}-token prompt")
     # One prompt per sequence of the batch: the same length, each with its own pass key.
     prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]
@@ -170,6 +171,24 @@ def _name(run: RunSpec) -> str:
     """A configuration in progress lines: ``quest+tail@128 chunk 512``."""
     chunk = run.cache.prefill_chunk
     return run.label + (f"@{run.budget}" if run.budget else "") + (f" chunk {chunk}" if chunk else "")
+
+
+def _check_batch_fits(model: Any, batch: int, tokens: int) -> None:
+    """``--batch-size``: full KV of the batch (the reference every run is timed against) must fit the device,
+    checked before its prompts are built (``--batch-size 100000000`` would build prompts for ever)."""
+    from zoomkv import compat
+    from zoomkv.models.loading import device_memory_bytes
+
+    config = compat.text_config(model.config)
+    layers = len(compat.layer_types(model.config))
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    size = next(model.parameters()).element_size()
+    need = batch * tokens * layers * kv_heads * compat.head_dim(model.config) * 2 * size
+    have = device_memory_bytes(model.device)
+    if have is not None and need > have:
+        raise ZoomKVError(f"--batch-size {batch}: full KV of {batch} prompts of {tokens} tokens takes "
+                          f"{need / 2**30:.3g} GiB, more than {model.device}'s {have / 2**30:.3g} GiB; use a smaller "
+                          "batch or --length")
 
 
 def _check_settings(args: Any) -> list[int]:

@@ -10,6 +10,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from zoomkv.errors import ZoomKVError
+
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
     scores = _scores(args.scores) if args.scores else None
     checkpoint = Path(args.checkpoint)
-    out = Path(args.out) if args.out else Path("checkpoints") / checkpoint.resolve().name
+    if args.out is not None and not args.out.strip():  # not the default path: an empty name is a mistake
+        raise ZoomKVError("--out needs a folder name, got an empty one (leave --out out for "
+                          f"checkpoints/{checkpoint.resolve().name})")
+    out = Path(args.out) if args.out is not None else Path("checkpoints") / checkpoint.resolve().name
     folder = export_checkpoint(checkpoint, out, scores=scores, budget=_budget(args.budget), overwrite=args.overwrite,
                                license=args.license)
     log.info("exported adapter to %s", folder)

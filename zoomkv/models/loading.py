@@ -33,7 +33,7 @@ from zoomkv.models.registry import get_model_spec, model_names
 from zoomkv.models.tiny import build_tiny_model
 from zoomkv.models.tokenizer import ensure_pad_token
 
-__all__ = ["NO_CONTEXT_LIMIT", "context_limit", "load_model", "model_max_length"]
+__all__ = ["NO_CONTEXT_LIMIT", "context_limit", "device_memory_bytes", "load_model", "model_max_length"]
 
 # owner/name as the hub spells it: letters, digits, '-', '_', '.'; exactly one slash.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -68,6 +68,14 @@ def memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def device_memory_bytes(device: Any) -> int | None:
+    """What one device can hold: an accelerator's memory, or this machine's (the CPU's)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return memory_bytes()
 
 
 def check_config_sizes(config: Any, source: str, dtype: torch.dtype) -> None:

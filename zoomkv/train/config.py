@@ -127,10 +127,29 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, except that a key given twice in one mapping is an error: YAML's last value
+    winning would silently drop the first (``lr: 0.01`` ... ``lr: 0.5`` trains at 0.5 without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base loader says so
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load``, its errors one ``ConfigError`` line naming ``where``, the problem and its place."""
+    """``yaml.safe_load`` (a key given twice refused), its errors one ``ConfigError`` line naming ``where``, the
+    problem and its place."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -196,9 +215,24 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.samples_per_step > cfg.num_samples:  # a step of 1e9 micro-batches would run for ever
+        raise ConfigError(f"recipe key 'samples_per_step' must be at most num_samples ({cfg.num_samples}: a step "
+                          f"draws its samples from those), got {cfg.samples_per_step}")
+    check_baselines(cfg.eval_baselines)
     check_ranges(cfg)
     check_paths(cfg, from_file)
     return cfg
+
+
+def check_baselines(names: str) -> None:
+    """``eval_baselines``: registered methods, checked at load (not after training, nor only when eval_samples
+    makes them run)."""
+    from zoomkv.protocol.registry import METHODS
+
+    unknown = [n.strip() for n in names.split(",") if n.strip() and n.strip() not in METHODS]
+    if unknown:
+        raise ConfigError(f"recipe key 'eval_baselines': unknown method(s) {', '.join(map(repr, unknown))}; expected "
+                          f"names from `zoomkv methods` ({', '.join(sorted(METHODS))})")
 
 
 def check_paths(cfg: TrainConfig, from_file: dict[str, Any]) -> None:
