@@ -1327,3 +1327,35 @@ def test_dense_layers_covering_the_model(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert code == 0 and captured.err.count("compresses none of this model's 4 layers") == 1
     assert "budget 32 rows held by no layer" in captured.out
+
+
+# -- (g) a failed eval leaves no stray output: nothing is written before its first prompts are built (issue 32) --
+
+STRAY_CASES = [
+    ("length-too-short", ["--tasks", "niah_single_1", "--length", "256"], "too short"),
+    ("record-too-long", ["--data", _jsonl(_with(prompt="word " * 20_000))], "over the limit"),
+    ("record-without-context", ["--data", _jsonl(_with(context=MISSING))], "no context to compress"),
+    ("record-with-empty-context", ["--data", _jsonl(_with(context=""))], "no context to compress"),
+]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "empty-out"])
+@pytest.mark.parametrize("id, args, expect", STRAY_CASES, ids=[c[0] for c in STRAY_CASES])
+def test_failed_eval_leaves_nothing(id, args, expect, existing, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    if args[0] == "--data":
+        args = ["--data", str(_write(tmp_path / "records.jsonl", args[1]))]
+    base = [a for a in EVAL_BASE if a not in ("--tasks", "niah_single_1")]
+    run_case([*base, *args, "--out", str(out)], expect, capsys, monkeypatch)
+    assert (out.is_dir() and not any(out.iterdir())) if existing else not out.exists()
+
+
+def test_record_without_context_query_aware(tmp_path, capsys, monkeypatch):
+    """The plain format's context is optional where nothing is compressed before the question."""
+    data = _write(tmp_path / "records.jsonl", _jsonl(_with(context=MISSING)))
+    base = [a for a in EVAL_BASE if a not in ("--tasks", "niah_single_1")]
+    code, _ = run_case([*base, "--data", str(data), "--protocol", "query-aware", "--out", str(tmp_path / "out")],
+                       "ok", capsys, monkeypatch)
+    assert code == 0 and (tmp_path / "out" / "rows.jsonl").is_file()

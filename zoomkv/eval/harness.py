@@ -210,6 +210,16 @@ def _probe_row(task: str, length: int, depth: float | None, index: int, run: Run
             "method_args": run.args, "budget": run.budget}
 
 
+def _checked(sample: Sample, cfg: EvalConfig, fmt: PromptFormat) -> Sample:
+    """A built sample the protocol can run: query-agnostic compresses its context before the question, so a
+    record without one (a plain record's ``context`` left out) is refused naming the task and sample."""
+    if cfg.protocol == "query-agnostic" and not fmt.context_text(sample).strip():
+        raise ZoomKVError(f"{sample.task} sample {sample.index}: no context to compress before the question (the "
+                          "query-agnostic protocol compresses a record's 'context' first); give the record a "
+                          "context, or use --protocol query-aware")
+    return sample
+
+
 def _warm_up(model: Any, tokenizer: Any, runs: list[RunSpec]) -> None:
     """One short run per configuration, so one-time initialisation is not timed as decoding."""
     prompt = "The grass is green. The sky is blue. " * 12
@@ -320,14 +330,16 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
     torch.manual_seed(cfg.seed)
     identity = _identity(cfg, prep, fmt.chat)
     store.check_identity(identity)  # the chat setting, now that the tokenizer says what auto means
+    builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
+    # Build each group's first sample before any decoding (every process, every group: a failure is everyone's
+    # at once) and before anything is written: a length too short for a task's template, a record too long for
+    # the model or without the context the protocol compresses fails now, not after an hour of other tasks, and
+    # leaves no run.json (nor a new --out) behind.
+    built = {(t, n, d, ix[0]): _checked(builder.build(t, n, ix[0], d), cfg, fmt)
+             for t, n, d, ix in (batches[i] for i in pending) if ix[0] == 0}
     procs.wait()
     if procs.main:
         store.record_identity(identity)
-    builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
-    # Build each group's first sample before any decoding (every process, every group: a failure is everyone's
-    # at once): a length too short for a task's template fails now, not after an hour of other tasks.
-    built = {(t, n, d, ix[0]): builder.build(t, n, ix[0], d) for t, n, d, ix in (batches[i] for i in pending)
-             if ix[0] == 0}
     todo = [batches[i] for i in pending if procs.mine(i)]
     if procs.world > 1:
         log.info("%d of %d prompt batches left; %d processes take them in turn", len(pending), len(batches),
@@ -344,8 +356,8 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
             task, length, depth, indices = batch
             bar.set_description(f"{task}@{length}" + (f" depth {depth:.2f}" if depth is not None else ""))
             missing = _missing(store, batch, prep.runs)
-            samples = [built.pop((task, length, depth, i), None) or builder.build(task, length, i, depth)
-                       for i in indices]
+            samples = [built.pop((task, length, depth, i), None) or _checked(builder.build(task, length, i, depth), cfg,
+                                                                             fmt) for i in indices]
             texts = [fmt.sample_text(s) for s in samples]
             new = cfg.max_new_tokens or max(s.max_new_tokens for s in samples)
             # query-agnostic: each prompt's context is compressed first; its question then extends the cache

@@ -163,7 +163,9 @@ class RowStore:
     main process merges the parts into ``rows.jsonl`` at the end (``merge``)."""
 
     def __init__(self, out: str | Path, *, part: int | None = None):
-        self.out = check_output_folder(out, create=True)
+        # made only when the first thing is written into it (run.json, once the run's first prompts are built):
+        # a run refused before that leaves no folder behind
+        self.out = check_output_folder(out)
         self.path = self.out / "rows.jsonl"
         self.write_path = self.path if part is None else self.out / part_name(part)
         self.run_file = self.out / RUN_FILE
@@ -232,6 +234,7 @@ class RowStore:
         self._write_record({**record, "outputs": sorted(names), "writing_report": writing})
 
     def _write_record(self, record: dict[str, Any]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / f".{RUN_FILE}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, self.run_file)
@@ -284,6 +287,7 @@ class RowStore:
         fresh = [r for r in rows if row_key(r) not in self.done]
         if not fresh:
             return
+        self.out.mkdir(parents=True, exist_ok=True)
         with open(self.write_path, "a", encoding="utf-8") as fh:
             for r in fresh:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
