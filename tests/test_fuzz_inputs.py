@@ -1151,6 +1151,8 @@ READ_BACK_CASES = [
     ("model-layers-1e9-float", _model_case(
         lambda f: (f / "config.json").write_text((f / "config.json").read_text().replace(
             '"num_hidden_layers": 4', '"num_hidden_layers": 1e9'))), "num_hidden_layers"),
+    ("model-no-weights", _model_case(lambda f: (f / "model.safetensors").unlink()), "no file named"),  # was 2 lines
+    ("model-config-not-json", _model_case(lambda f: (f / "config.json").write_text("{not json")), "config.json"),
     ("model-hidden-1e9", _model_case(lambda f: _edit_json(f / "config.json", lambda c: c.update(hidden_size=10**9))),
      "refused before allocating"),
     ("adapter-weights-nan", _adapter_weights(float("nan")), "non-finite"),

@@ -56,7 +56,8 @@ def _load_config(source: str, *, local_only: bool) -> Any:
         return AutoConfig.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
     except OSError as err:
         raise ModelNotFoundError(f"could not load model {source!r}: {_first_line(err)} (registered names: "
-                                 f"{', '.join(model_names())})") from err
+                                 f"{', '.join(model_names())}; a hub id needs network access or a local copy in "
+                                 "the Hugging Face cache)") from err
     except Exception as err:  # ValueError, huggingface_hub's strict field validation (a float where an int goes)
         raise ModelNotFoundError(f"{source!r}: its config.json is not one transformers can load: "
                                  f"{_first_line(err)}") from err
@@ -123,7 +124,7 @@ def _from_pretrained(
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
     except OSError as err:  # offline, unknown repo, gated repo, missing files: all OSError subclasses
         raise ModelNotFoundError(
-            f"could not load model {source!r}: {err}\n"
+            f"could not load model {source!r}: {_first_line(err)} "
             f"(registered names: {', '.join(model_names())}; a hub id needs network access or a local copy "
             f"in the Hugging Face cache)"
         ) from err
