@@ -23,7 +23,9 @@ def _compresskv_profile(model, folder: Path) -> Path:
     text = compat.text_config(model.config)
     full = set(_full_layers(model))
     n = text.num_hidden_layers
-    profile = {"format": "zoomkv-compresskv-profile", "version": 1, "model": "matrix", "num_layers": n,
+    # recorded for the model it is built for: a profile of another model is refused (issue 32)
+    name = getattr(model, "zoomkv_name", None) or "matrix"
+    profile = {"format": "zoomkv-compresskv-profile", "version": 1, "model": name, "num_layers": n,
                "num_attention_heads": text.num_attention_heads,
                "heads": [[0] if i in full else [] for i in range(n)],
                "layer_error": [float(i + 1) if i in full else 0.0 for i in range(n)]}
