@@ -41,6 +41,7 @@ import torch
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
+from zoomkv.methods.sekv import native
 from zoomkv.methods.sekv.codes import BITS, encode, rotation, score_codes
 from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
@@ -429,13 +430,17 @@ class SeKV(RecallableMethod):
                 host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
         else:
             append_host_rows(memory, key, value)
-        dev = memory.device_tier
-        rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
-        codes, rms = encode(rotated, self.config.code_bits)
+        dev, c = memory.device_tier, self.config
+        if native.usable(key):  # both code widths in one compiled pass
+            codes, rms, fine, fine_rms = native.encode(key, dev["code_mean"], dev["code_rotation"], c.code_bits,
+                                                       c.rescore_bits)
+        else:
+            rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
+            codes, rms = encode(rotated, c.code_bits)
+            fine, fine_rms = encode(rotated, c.rescore_bits) if c.rescore_bits else (None, None)
         dev["codes"].append(codes)
         dev["code_rms"].append(rms)
-        if self.config.rescore_bits:
-            fine, fine_rms = encode(rotated, self.config.rescore_bits)
+        if c.rescore_bits:
             memory.host_tier["fine_codes"].append(fine)
             memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
@@ -484,29 +489,60 @@ class SeKV(RecallableMethod):
         vote = torch.where(torch.isinf(first), first, vote)
         return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
-    def select_rows(self, memory, query: torch.Tensor) -> Selection:
-        h, n = memory.device_tier["code_mean"].shape[1], host_length(memory)
+    def _pick(self, memory, query: torch.Tensor, n: int, m: int, k: int) -> torch.Tensor:
+        """``[b, h, k]``: the rows this step recalls, in sequence order. The group's summed softmax over the
+        codes' logits ranks every row (sinks and recent rows forced in, padding out); the best ``m`` go to
+        the rescoring when ``m > k``."""
+        h = memory.device_tier["code_mean"].shape[1]
         valid = host_valid(memory)
+        logits = self.router_scores(memory, query)
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+        vote = torch.softmax(logits, -1).sum(2)  # [b, h, n]: the group's mass on each row
+        c = self.config
+        if c.sinks:
+            sinks = memory.device_tier["sink_pos"][:, None, :].expand(-1, h, -1)
+            vote = vote.scatter(-1, sinks, float("inf"))
+        if c.recent:
+            vote[..., max(0, n - c.recent):] = float("inf")
+        if valid is not None:
+            vote = vote.masked_fill(~valid, float("-inf"))
+        idx = vote.topk(m, dim=-1).indices
+        if m > k:
+            idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
+        return idx.sort(dim=-1).values  # sequence order
+
+    def _pick_native(self, memory, query: torch.Tensor, n: int, m: int, k: int) -> torch.Tensor:
+        """``_pick`` in one compiled call (``native/select.cpp``): the same rows, read straight from the row
+        buffers."""
+        dev, host, c = memory.device_tier, memory.host_tier, self.config
+        h = dev["code_mean"].shape[1]
+        b, _, _, d = query.shape
+        q = group_query(query, h).reshape(b, -1, d)  # [b, h·g·q, d]: KV head i's group is rows i·g·q ...
+        gains = None if self.adapter is None else self._gains(memory.meta["layer"], h, d, query.device)
+        valid = host.get("valid")
+        anchored = "anchor_pos" in dev
+        return native.select(
+            q, dev["code_rotation"], gains, memory.meta["scaling"], dev["codes"].data, dev["code_rms"].data,
+            c.code_bits, n, anchor_pos=dev["anchor_pos"] if anchored else None,
+            anchor_codes=dev["anchor_codes"] if anchored else None, anchor_rms=dev["anchor_rms"] if anchored else None,
+            anchor_bits=c.anchor_bits, valid=None if valid is None else valid.data[:, 0, :, 0],
+            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=k,
+            fine_codes=host["fine_codes"].data if m > k else None, fine_rms=host["fine_rms"].data if m > k else None,
+            fine_bits=c.rescore_bits)
+
+    def select_rows(self, memory, query: torch.Tensor) -> Selection:
+        n = host_length(memory)
         k = memory.meta["budget"] - self.config.summary_row  # the summary row is the budget's last row
         idx = None
         if n > k:
-            logits = self.router_scores(memory, query)
-            if valid is not None:
-                logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-            vote = torch.softmax(logits, -1).sum(2)  # [b, h, n]: the group's mass on each row
             c = self.config
-            if c.sinks:
-                sinks = memory.device_tier["sink_pos"][:, None, :].expand(-1, h, -1)
-                vote = vote.scatter(-1, sinks, float("inf"))
-            if c.recent:
-                vote[..., max(0, n - c.recent):] = float("inf")
-            if valid is not None:
-                vote = vote.masked_fill(~valid, float("-inf"))
             m = min(n, self._candidates(memory.meta["budget"])) if c.rescore_bits else k
-            idx = vote.topk(m, dim=-1).indices
-            if m > k:
-                idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
-            idx = idx.sort(dim=-1).values  # sequence order
+            # one compiled call on CPU tensors (native/select.cpp); the torch path on any other device
+            pick = self._pick_native if native.usable(query) else self._pick
+            idx = pick(memory, query, n, m, k)
+        valid = host_valid(memory)
+        h = memory.device_tier["code_mean"].shape[1]
         rk, rv = self._recall(memory, idx)
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))
         if not self.config.summary_row:

@@ -1,0 +1,166 @@
+"""sekv's compiled CPU router (``zoomkv/methods/sekv/native``) against the torch path it replaces: the same
+rows for every configuration (one and two stages, anchors, gains, padding, batches, several code widths),
+the same codes for new rows, the same generated text through a model, and the fallback when it cannot
+be built."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.helpers import greedy, load_tiny, max_logit_diff, padded_batch
+from zoomkv import ZoomCache
+from zoomkv.methods import get_method
+from zoomkv.methods.sekv import native
+from zoomkv.methods.sekv.codes import encode, rotation
+from zoomkv.methods.sekv.method import SeKV
+from zoomkv.methods.sekv.modules import SeKVAdapter
+from zoomkv.models import load_model
+from zoomkv.protocol.method import PrefillContext
+
+H, D, G = 2, 16, 2
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_model("tiny-llama")[0].config
+
+
+def _memory(config, method, t, budget, seed, batch=1, valid=None):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, H, t, D, generator=g) * (1 + torch.rand(batch, H, 1, D, generator=g) * 3)
+    values = torch.randn(batch, H, t, D, generator=g)
+    surprisal = torch.rand(batch, t, generator=g) ** 4 * 10
+    cache = ZoomCache(config, method, budget)
+    memory = cache.layers[0]
+    memory.lazy_initialization(keys, values)
+    memory.seen = t
+    ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values,
+                         queries=torch.zeros(batch, H * G, t, D), valid=valid, budget=budget, scaling=D**-0.5,
+                         num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=surprisal)
+    method.compress(memory, ctx)
+    return memory, g
+
+
+def _both(method, memory, query):
+    with native.torch_path():
+        reference = method.select(memory, query)
+    fast = method.select(memory, query)
+    return reference, fast
+
+
+def _assert_same(reference, fast):
+    torch.testing.assert_close(fast.keys, reference.keys)
+    torch.testing.assert_close(fast.values, reference.values)
+    if reference.bias is None:
+        assert fast.bias is None
+    else:
+        torch.testing.assert_close(fast.bias, reference.bias)
+
+
+def _adapter(config, seed):
+    torch.manual_seed(seed)
+    adapter = SeKVAdapter(config.num_hidden_layers, H, D)  # trained-looking: gains off 1, a lower tau
+    with torch.no_grad():
+        adapter.code_gain.normal_(0, 0.5)
+        adapter.span_tau.fill_(0.5)
+    return adapter
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # two stages: 1-bit codes, anchors at 4 bits, 4-bit rescoring
+    {"rescore_bits": 0},  # one stage
+    {"code_bits": 2, "anchor_bits": 8, "rescore_bits": 8, "candidates": 2.5},
+    {"sinks": 0, "recent": 0, "anchor_fraction": 0.0},
+    {"summary_row": False, "anchor_fraction": 0.2},
+])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_router_picks_the_rows_the_torch_path_picks(config, kwargs, seed):
+    method = SeKV(adapter=_adapter(config, seed) if seed else None, **kwargs)
+    memory, g = _memory(config, method, t=300, budget=48, seed=seed, batch=2)
+    for _ in range(3):  # decode steps: new rows get codes from the native encoder
+        key, value = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+        method.append(memory, key, value)
+        query = torch.randn(2, H * G, 1, D, generator=g) * 2
+        _assert_same(*_both(method, memory, query))
+
+
+def test_native_router_keeps_padding_out(config):
+    lengths = torch.tensor([300, 180])
+    valid = torch.arange(300)[None, :] >= (300 - lengths)[:, None]  # left padding
+    method = SeKV()
+    memory, g = _memory(config, method, t=300, budget=40, seed=3, batch=2, valid=valid)
+    method.append(memory, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
+    reference, fast = _both(method, memory, torch.randn(2, H * G, 1, D, generator=g))
+    _assert_same(reference, fast)
+    assert torch.isinf(fast.bias).sum() == 0  # 180 real rows: the budget fills from them alone
+
+
+def test_native_router_on_several_new_queries(config):
+    """A follow-up question (several queries at once) votes with every query of the group."""
+    method = SeKV()
+    memory, g = _memory(config, method, t=260, budget=40, seed=4)
+    _assert_same(*_both(method, memory, torch.randn(1, H * G, 5, D, generator=g)))
+
+
+def test_native_encoder_writes_the_codes_of_the_torch_encoder():
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(3, 2, 40, 64, generator=g) * 3
+    mean = torch.randn(3, 2, 1, 64, generator=g)
+    rot = rotation(64, 7)
+    rotated = torch.matmul(keys - mean, rot)
+    for bits, fine_bits in ((1, 4), (2, 8), (4, 0)):
+        codes, rms, fine, fine_rms = native.encode(keys, mean, rot, bits, fine_bits)
+        ref_codes, ref_rms = encode(rotated, bits)
+        assert torch.equal(rms, ref_rms)
+        # a coordinate at a level boundary may round the other way (float sums in another order): at most 1 in 1000
+        assert (codes != ref_codes).float().mean() < 1e-3
+        if fine_bits:
+            ref_fine, ref_fine_rms = encode(rotated, fine_bits)
+            assert torch.equal(fine_rms, ref_fine_rms)
+            assert (fine != ref_fine).float().mean() < 1e-3
+        else:
+            assert fine is None
+
+
+def test_generate_gives_the_same_text_with_and_without_the_kernel():
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 64))
+
+    def run():
+        return greedy(model, ids, mask, ZoomCache(model, get_method("sekv"), 24), new=8)
+
+    with native.torch_path():
+        reference = run()
+    fast = run()
+    assert torch.equal(fast.sequences, reference.sequences)
+    assert max_logit_diff(fast.scores, reference.scores) < 1e-4
+
+
+def test_without_a_compiler_sekv_runs_the_torch_path_and_says_so(config, monkeypatch):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_failed", None)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    method = SeKV()
+    memory, g = _memory(config, method, t=200, budget=40, seed=6)
+    query = torch.randn(1, H * G, 1, D, generator=g)
+    with pytest.warns(RuntimeWarning, match="could not be built.*torch path"):
+        sel = method.select(memory, query)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not every step
+        again = method.select(memory, query)
+    torch.testing.assert_close(sel.keys, again.keys)
+    assert not native.usable(query)
+
+
+def test_zoomkv_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("ZOOMKV_NATIVE", "0")
+    assert not native.usable(torch.zeros(1))

@@ -1,0 +1,173 @@
+"""sekv's decode-step router and row encoder as one compiled CPU call each (``select.cpp``).
+
+The torch path (``SeKV._pick`` / ``codes.encode``) is the reference and runs everywhere; on CPU tensors this
+kernel does the same work per layer in one call, without the ``[g, n·bytes]`` gather, the softmax tensors
+and the sort of every row the torch path materialises (``BENCHMARKS.md``, "Decode speed").
+
+It is built once per machine on first use with the C++ compiler ``torch.utils.cpp_extension`` finds (a few
+seconds; cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), and called
+through ``ctypes``: plain C, no torch headers, nothing executes from a file. Without a compiler, or with
+``ZOOMKV_NATIVE=0``, sekv runs the torch path and says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("select.cpp")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+_disabled = threading.local()
+
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
+                _P, _P, _P, _F32,  # query, rotation, gains, scaling
+                _P, _I64, ctypes.c_int, _P, _I64,  # codes, codes_cap, bits, rms, rms_cap
+                _I64, _P, _P, _P, ctypes.c_int,  # anchors, anchor_pos, anchor_codes, anchor_rms, anchor_bits
+                _P, _I64,  # valid, valid_cap
+                _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
+                _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
+                _P]  # out
+_CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
+
+
+def _name() -> str:
+    """The build's name: the source and the machine it is compiled for (``-march=native``)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(platform.machine().encode())
+    with contextlib.suppress(OSError):
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        h.update((flags[0] if flags else "").encode())
+    return f"zoomkv_sekv_{h.hexdigest()[:12]}"
+
+
+def _build() -> ctypes.CDLL:
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-std=c++17", "-fno-math-errno"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    path = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
+                              verbose=False)
+    lib = ctypes.CDLL(str(path))
+    lib.zk_sekv_select.argtypes, lib.zk_sekv_select.restype = _SELECT_ARGS, ctypes.c_int
+    lib.zk_sekv_codes.argtypes, lib.zk_sekv_codes.restype = _CODES_ARGS, ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (and one warning) when it cannot be built."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                _lib = _build()
+            except Exception as e:  # no compiler, no ninja, a read-only cache: the torch path does the same work
+                _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                warnings.warn(f"zoomkv: sekv's compiled CPU router could not be built ({_failed}); decoding uses "
+                              "the plain torch path, same selections, slower (set ZOOMKV_NATIVE=0 to skip the build)",
+                              RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def enabled() -> bool:
+    return os.environ.get("ZOOMKV_NATIVE", "1") != "0" and not getattr(_disabled, "on", False)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether this step can take the kernel: enabled, CPU tensors, and the library built."""
+    if not enabled() or any(t.device.type != "cpu" for t in tensors):
+        return False
+    return library() is not None
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Within this block (this thread), sekv takes the torch path: tests compare the two."""
+    before = getattr(_disabled, "on", False)
+    _disabled.on = True
+    try:
+        yield
+    finally:
+        _disabled.on = before
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """A ``[b, h, capacity, dim]`` buffer as the kernel reads it: contiguous (row buffers already are)."""
+    if buf.shape[-1] != dim or not buf.is_contiguous():
+        raise ValueError("sekv's native router reads contiguous row buffers")
+    return buf
+
+
+def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | None, scaling: float,
+           codes: torch.Tensor, rms: torch.Tensor, bits: int, n: int, *,
+           anchor_pos: torch.Tensor | None, anchor_codes: torch.Tensor | None, anchor_rms: torch.Tensor | None,
+           anchor_bits: int, valid: torch.Tensor | None, sink_pos: torch.Tensor, recent: int, m: int, k: int,
+           fine_codes: torch.Tensor | None, fine_rms: torch.Tensor | None, fine_bits: int) -> torch.Tensor:
+    """``[b, h, k]`` long: the rows ``SeKV._pick`` picks, in sequence order. ``query`` ``[b, h·g, d]``;
+    ``codes``/``rms``/``fine_*`` the row buffers' whole storage (``[b, h, capacity, ·]``, ``n`` rows filled);
+    ``valid`` ``[b, capacity]`` bool or None."""
+    lib = library()
+    assert lib is not None
+    b, hq, d = query.shape
+    h = codes.shape[1]
+    q = query.float().contiguous()
+    rot = rotation.float().contiguous()
+    g = gains.float().contiguous() if gains is not None else None
+    anchors = 0 if anchor_pos is None else anchor_pos.shape[1]
+    apos = anchor_pos.contiguous() if anchors else None
+    acodes = anchor_codes.contiguous() if anchors else None
+    arms = anchor_rms.contiguous() if anchors else None
+    v = valid.to(torch.uint8).contiguous() if valid is not None else None
+    sinks = sink_pos.contiguous()
+    out = torch.empty(b, h, k, dtype=torch.long)
+    rc = lib.zk_sekv_select(
+        b, h, hq // h, d, n, _ptr(q), _ptr(rot), _ptr(g), float(scaling),
+        _ptr(_rows(codes, d * bits // 8)), codes.shape[2], bits, _ptr(rms), rms.shape[2],
+        anchors, _ptr(apos), _ptr(acodes), _ptr(arms), anchor_bits if anchors else 0,
+        _ptr(v), 0 if v is None else v.shape[-1],
+        sinks.shape[1], _ptr(sinks), recent, m, k,
+        _ptr(None if fine_codes is None else _rows(fine_codes, d * fine_bits // 8)),
+        0 if fine_codes is None else fine_codes.shape[2], _ptr(fine_rms),
+        0 if fine_rms is None else fine_rms.shape[2], fine_bits if m > k else 0,
+        _ptr(out))
+    if rc:
+        raise ValueError(f"sekv's native router refused k={k}, m={m}, n={n}")
+    return out
+
+
+def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits: int,
+           fine_bits: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """New rows ``keys`` ``[b, h, t, d]`` → their codes and fp16 RMS at ``bits`` (and at ``fine_bits`` when not
+    0), as ``codes.encode(((keys - mean) @ rotation), bits)`` computes them."""
+    lib = library()
+    assert lib is not None
+    b, h, t, d = keys.shape
+    x = keys.float().contiguous()
+    mu = mean.float().contiguous()
+    rot = rotation.float().contiguous()
+    codes = torch.empty(b, h, t, d * bits // 8, dtype=torch.uint8)
+    rms = torch.empty(b, h, t, 1, dtype=torch.float16)
+    fine = torch.empty(b, h, t, d * fine_bits // 8, dtype=torch.uint8) if fine_bits else None
+    fine_rms = torch.empty(b, h, t, 1, dtype=torch.float16) if fine_bits else None
+    lib.zk_sekv_codes(b, h, t, d, _ptr(x), _ptr(mu), _ptr(rot), bits, _ptr(codes), _ptr(rms),
+                      fine_bits, _ptr(fine), _ptr(fine_rms))
+    return codes, rms, fine, fine_rms
