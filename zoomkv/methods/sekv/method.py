@@ -200,8 +200,9 @@ class SeKV(RecallableMethod):
         return self._split[key][zoom.index(layer_idx)]
 
     def device_rows(self, memory) -> int:
-        rows = super().device_rows(memory)
-        return rows + (1 if self.config.summary_row and f"{TAIL}_count" in memory.device_tier else 0)
+        rows = super().device_rows(memory)  # the recall buffer (with a slot for the summary row, once it has one)
+        summary = self.config.summary_row and f"{TAIL}_count" in memory.device_tier
+        return rows + (1 if summary and not memory.meta.get("summary_slot") else 0)
 
     # -- the adapter ------------------------------------------------------------------------------------
     def _check_adapter(self, ctx: PrefillContext) -> None:
@@ -531,6 +532,30 @@ class SeKV(RecallableMethod):
             fine_codes=host["fine_codes"].data if m > k else None, fine_rms=host["fine_rms"].data if m > k else None,
             fine_bits=c.rescore_bits)
 
+    def _recall_natively(self, memory) -> bool:
+        """Whether the recall and the summary row can be one compiled pass: plain float32 rows on both tiers
+        (a quantized or low-rank host tier decodes through ``_recall``)."""
+        host, dev = memory.host_tier, memory.device_tier
+        return (self.config.summary_row and not memory.meta["low_rank"]
+                and all(type(host[name]) is RowBuffer and host[name].data.dtype == torch.float32
+                        for name in ("keys", "values"))
+                and dev["recall_keys"].dtype == torch.float32 and dev["recall_values"].dtype == torch.float32)
+
+    def _recall_native(self, memory, idx: torch.Tensor) -> Selection:
+        """The rows ``idx`` recalled and the summary row after them in the recall buffer, in one compiled pass:
+        what ``_recall`` + ``with_tail`` give, without the concatenation."""
+        dev, host = memory.device_tier, memory.host_tier
+        k = idx.shape[2]
+        reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
+        memory.meta["summary_slot"] = True
+        valid = host.get("valid")
+        offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
+        bias = native.recall(idx, host["keys"].data, host["values"].data,
+                             None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"],
+                             dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset, dev["recall_keys"],
+                             dev["recall_values"])
+        return Selection(dev["recall_keys"][:, :, : k + 1], dev["recall_values"][:, :, : k + 1], bias)
+
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         n = host_length(memory)
         k = memory.meta["budget"] - self.config.summary_row  # the summary row is the budget's last row
@@ -539,8 +564,12 @@ class SeKV(RecallableMethod):
             c = self.config
             m = min(n, self._candidates(memory.meta["budget"])) if c.rescore_bits else k
             # one compiled call on CPU tensors (native/select.cpp); the torch path on any other device
-            pick = self._pick_native if native.usable(query) else self._pick
-            idx = pick(memory, query, n, m, k)
+            if native.usable(query):
+                idx = self._pick_native(memory, query, n, m, k)
+                if self._recall_natively(memory):
+                    return self._recall_native(memory, idx)
+            else:
+                idx = self._pick(memory, query, n, m, k)
         valid = host_valid(memory)
         h = memory.device_tier["code_mean"].shape[1]
         rk, rv = self._recall(memory, idx)

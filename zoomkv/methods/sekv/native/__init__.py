@@ -42,12 +42,21 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
                 _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
                 _P]  # out
+_RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
 
 
+def _flags() -> list[str]:
+    # -ffast-math for the vectorised exp and sums (the selections are compared with the torch path's in the
+    # tests), but infinities kept: padding and forced rows are -inf/+inf.
+    flags = ["-O3", "-std=c++17", "-ffast-math", "-fno-finite-math-only"]
+    return flags + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
 def _name() -> str:
-    """The build's name: the source and the machine it is compiled for (``-march=native``)."""
+    """The build's name: the source, the flags and the machine it is compiled for (``-march=native``)."""
     h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(_flags()).encode())
     h.update(platform.machine().encode())
     with contextlib.suppress(OSError):
         flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
@@ -58,12 +67,12 @@ def _name() -> str:
 def _build() -> ctypes.CDLL:
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-std=c++17", "-fno-math-errno"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-    path = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
+    path = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=_flags(), is_python_module=False,
                               verbose=False)
     lib = ctypes.CDLL(str(path))
     lib.zk_sekv_select.argtypes, lib.zk_sekv_select.restype = _SELECT_ARGS, ctypes.c_int
     lib.zk_sekv_codes.argtypes, lib.zk_sekv_codes.restype = _CODES_ARGS, ctypes.c_int
+    lib.zk_sekv_recall.argtypes, lib.zk_sekv_recall.restype = _RECALL_ARGS, ctypes.c_int
     return lib
 
 
@@ -117,6 +126,12 @@ def _rows(buf: torch.Tensor, dim: int) -> torch.Tensor:
     return buf
 
 
+def _bytes(valid: torch.Tensor | None) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    return valid.view(torch.uint8) if valid.dtype == torch.bool and valid.is_contiguous() else valid.to(torch.uint8).contiguous()
+
+
 def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | None, scaling: float,
            codes: torch.Tensor, rms: torch.Tensor, bits: int, n: int, *,
            anchor_pos: torch.Tensor | None, anchor_codes: torch.Tensor | None, anchor_rms: torch.Tensor | None,
@@ -136,7 +151,7 @@ def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | No
     apos = anchor_pos.contiguous() if anchors else None
     acodes = anchor_codes.contiguous() if anchors else None
     arms = anchor_rms.contiguous() if anchors else None
-    v = valid.to(torch.uint8).contiguous() if valid is not None else None
+    v = _bytes(valid)
     sinks = sink_pos.contiguous()
     out = torch.empty(b, h, k, dtype=torch.long)
     rc = lib.zk_sekv_select(
@@ -171,3 +186,28 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
     lib.zk_sekv_codes(b, h, t, d, _ptr(x), _ptr(mu), _ptr(rot), bits, _ptr(codes), _ptr(rms),
                       fine_bits, _ptr(fine), _ptr(fine_rms))
     return codes, rms, fine, fine_rms
+
+
+def recall(idx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+           key_sum: torch.Tensor, value_sum: torch.Tensor, count: torch.Tensor, offset: torch.Tensor | None,
+           out_keys: torch.Tensor, out_values: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` ``[b, h, k]`` of the host ``keys``/``values`` (float32 row-buffer storage ``[b, h, capacity,
+    d]``) into ``out_keys``/``out_values`` rows ``0..k-1`` and the summary row into row ``k`` (what
+    ``with_tail`` adds: the rest's mean from the running sums); returns the ``[b, h, k + 1]`` logit bias."""
+    lib = library()
+    assert lib is not None
+    b, h, k = idx.shape
+    dk, dv = keys.shape[-1], values.shape[-1]
+    for t in (keys, values, out_keys, out_values):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("sekv's native recall reads and writes contiguous float32 rows")
+    bias = torch.empty(b, h, k + 1)
+    v = _bytes(valid)
+    sums = [t.float().contiguous() for t in (key_sum, value_sum, count)]
+    off = offset.float().contiguous() if offset is not None else None
+    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx.contiguous()), _ptr(keys), keys.shape[2], _ptr(values),
+                            values.shape[2], _ptr(v), 0 if v is None else v.shape[-1], *(_ptr(t) for t in sums),
+                            _ptr(off), _ptr(out_keys), _ptr(out_values), out_keys.shape[2], _ptr(bias))
+    if rc:
+        raise ValueError(f"sekv's native recall needs {k + 1} rows in the recall buffer, it has {out_keys.shape[2]}")
+    return bias

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -77,49 +78,150 @@ uint16_t float_to_half(float f) {  // round to nearest even, as torch's .to(floa
   return sign | uint16_t(h);
 }
 
-// The value of each code, codes.py's levels(bits): one bit, +-sqrt(2/pi); more, the Gaussian-optimal step.
-void code_levels(int bits, float* out) {
-  if (bits == 1) {
-    const float v = std::sqrt(2.0f / float(M_PI));
-    out[0] = -v;
-    out[1] = v;
-    return;
-  }
-  const float step = bits == 2 ? 0.9957f : bits == 4 ? 0.3352f : 0.0308f;
-  const int count = 1 << bits, half = count / 2;
-  for (int i = 0; i < count; ++i) out[i] = (float(i - half) + 0.5f) * step;
-}
-
 float code_step(int bits) { return bits == 2 ? 0.9957f : bits == 4 ? 0.3352f : 0.0308f; }
 
-// tables[byte * 256 + value]: the query's dot product with the coordinates byte `byte` packs as `value`.
-void build_tables(const float* q, int64_t d, int bits, const float* lv, float* tables) {
-  const int per_byte = 8 / bits, count = 1 << bits;
-  const int64_t nbytes = d * bits / 8;
-  for (int64_t j = 0; j < nbytes; ++j) {
-    float* t = tables + j * 256;
-    t[0] = 0.0f;
-    int size = 1;
-    for (int i = 0; i < per_byte; ++i) {  // add coordinate i: values v + c << (bits * i)
-      const float qi = q[j * per_byte + i];
-      for (int c = count - 1; c >= 0; --c) {
-        const float add = qi * lv[c];
-        for (int v = 0; v < size; ++v) t[v + c * size] = t[v] + add;
+// exp(x) for x <= 0 (a softmax's shifted logits), to ~1e-7 relative, in a form the compiler vectorises;
+// -inf (padding) gives 0.
+inline float exp_nonpositive(float x) {
+  const float c = std::max(x, -87.0f);
+  const float k = std::floor(c * 1.44269504f + 0.5f);
+  const float r = c - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const int32_t bits = (int32_t(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// A softmax over l[0..n) in place (the mass of each entry).
+void softmax(float* l, int64_t n) {
+  float mx = -kInf;
+  for (int64_t r = 0; r < n; ++r) mx = std::max(mx, l[r]);
+  float sum = 0.0f;
+  for (int64_t r = 0; r < n; ++r) {
+    l[r] = exp_nonpositive(l[r] - mx);
+    sum += l[r];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t r = 0; r < n; ++r) l[r] *= inv;
+}
+
+// The dot products of a group's rotated queries with codes of one width, as codes.py's score_codes.
+// One bit: a table of 256 partial sums per code byte (built coordinate by coordinate), a lookup per byte.
+// More bits: the levels are (index - 2^(bits-1) + 1/2) * step, linear in the index, so a row's dot product is
+// step * q . index + a per-query constant: the codes are unpacked once per row and dotted with every query.
+class Scorer {
+ public:
+  Scorer(const float* queries, int64_t group, int64_t d, int bits)
+      : q_(queries), group_(group), d_(d), bits_(bits), nbytes_(d * bits / 8) {
+    if (bits == 1) {
+      const float v = std::sqrt(2.0f / float(M_PI));
+      tables_.resize(group * nbytes_ * 256);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < nbytes_; ++j) {
+          float* t = tables_.data() + (g * nbytes_ + j) * 256;
+          t[0] = 0.0f;
+          for (int i = 0, size = 1; i < 8; ++i, size *= 2) {  // coordinate i: bit i of the byte
+            const float qi = q_[g * d + j * 8 + i] * v;
+            for (int w = 0; w < size; ++w) {
+              t[w + size] = t[w] + qi;
+              t[w] -= qi;
+            }
+          }
+        }
+    } else {
+      step_ = code_step(bits);
+      const float base = (0.5f - float(1 << (bits - 1))) * step_;
+      offset_.resize(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float sum = 0.0f;
+        for (int64_t c = 0; c < d; ++c) sum += q_[g * d + c];
+        offset_[g] = base * sum;
       }
-      size *= count;
+      unpacked_.resize(d);
     }
   }
-}
 
-float score_row(const float* tables, const uint8_t* code, int64_t nbytes) {
-  float s = 0.0f;
-  for (int64_t j = 0; j < nbytes; ++j) s += tables[j * 256 + code[j]];
-  return s;
-}
+  void reserve(int64_t rows) { rms_.resize(rows); }
+
+  int64_t nbytes() const { return nbytes_; }
+
+  // out[g * count + i] = (group query g) . (the row codes[rows[i]] stands for), times rms[rows[i]] * scale;
+  // rows == nullptr: rows 0 .. count - 1.
+  void score_rows(const uint8_t* codes, const uint16_t* rms, const int64_t* rows, int64_t count, float scale,
+                  float* out) {
+    if (bits_ == 1 && nbytes_ == 8 && rows == nullptr) {
+      // head_dim 64, every row: a query at a time, one 8-byte load and eight lookups per row
+      for (int64_t g = 0; g < group_; ++g) {
+        const float* t = tables_.data() + g * 2048;
+        float* o = out + g * count;
+        for (int64_t r = 0; r < count; ++r) {
+          uint64_t c;
+          std::memcpy(&c, codes + r * 8, 8);
+          o[r] = ((t[c & 255] + t[256 + ((c >> 8) & 255)]) + (t[512 + ((c >> 16) & 255)] + t[768 + ((c >> 24) & 255)])) +
+                 ((t[1024 + ((c >> 32) & 255)] + t[1280 + ((c >> 40) & 255)]) +
+                  (t[1536 + ((c >> 48) & 255)] + t[1792 + (c >> 56)]));
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < count; ++i) score(codes + (rows ? rows[i] : i) * nbytes_, out + i, count);
+    }
+    for (int64_t i = 0; i < count; ++i) rms_[i] = half_to_float(rms[rows ? rows[i] : i]) * scale;
+    for (int64_t g = 0; g < group_; ++g) {
+      float* o = out + g * count;
+      for (int64_t i = 0; i < count; ++i) o[i] *= rms_[i];
+    }
+  }
+
+  // out[g * stride] = (group query g) . (the row `code` stands for), before the row's RMS.
+  void score(const uint8_t* code, float* out, int64_t stride) {
+    if (bits_ == 1) {
+      for (int64_t g = 0; g < group_; ++g) {
+        const float* t = tables_.data() + g * nbytes_ * 256;
+        float a0 = 0.0f, a1 = 0.0f;
+        int64_t j = 0;
+        for (; j + 2 <= nbytes_; j += 2) {
+          a0 += t[j * 256 + code[j]];
+          a1 += t[(j + 1) * 256 + code[j + 1]];
+        }
+        for (; j < nbytes_; ++j) a0 += t[j * 256 + code[j]];
+        out[g * stride] = a0 + a1;
+      }
+      return;
+    }
+    float* u = unpacked_.data();
+    if (bits_ == 4) {
+      for (int64_t j = 0; j < nbytes_; ++j) {
+        u[2 * j] = float(code[j] & 15);
+        u[2 * j + 1] = float(code[j] >> 4);
+      }
+    } else if (bits_ == 2) {
+      for (int64_t j = 0; j < nbytes_; ++j)
+        for (int i = 0; i < 4; ++i) u[4 * j + i] = float((code[j] >> (2 * i)) & 3);
+    } else {
+      for (int64_t j = 0; j < nbytes_; ++j) u[j] = float(code[j]);
+    }
+    for (int64_t g = 0; g < group_; ++g) {
+      const float* q = q_ + g * d_;
+      float dot = 0.0f;
+      for (int64_t c = 0; c < d_; ++c) dot += q[c] * u[c];
+      out[g * stride] = step_ * dot + offset_[g];
+    }
+  }
+
+ private:
+  const float* q_;
+  int64_t group_, d_;
+  int bits_;
+  int64_t nbytes_;
+  float step_ = 0.0f;
+  std::vector<float> tables_, offset_, unpacked_, rms_;
+};
 
 struct Scratch {
-  std::vector<float> qr, tables, logits, vote, vote2;
+  std::vector<float> qr, logits, vote, vote2, part;
   std::vector<int64_t> order, cand;
+  std::vector<uint64_t> keys;
 };
 
 Scratch& scratch() {
@@ -127,16 +229,21 @@ Scratch& scratch() {
   return s;
 }
 
-// Indices of the `m` largest entries of vote[0..n) into out (any order); ties broken by the lower index.
-void top_m(const float* vote, int64_t n, int64_t m, std::vector<int64_t>& order) {
-  order.resize(n);
-  for (int64_t i = 0; i < n; ++i) order[i] = i;
-  if (m < n) {
-    std::nth_element(order.begin(), order.begin() + m, order.end(), [vote](int64_t a, int64_t b) {
-      return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
-    });
-  }
+// A float's order as an unsigned integer (larger float, larger key; -inf lowest, +inf highest).
+inline uint32_t order_key(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Indices of the `m` largest entries of vote[0..n) into order (any order); ties go to the lower index.
+// One 64-bit key per row (the vote's order bits, then the inverted index) so nth_element compares integers.
+void top_m(const float* vote, int64_t n, int64_t m, std::vector<uint64_t>& keys, std::vector<int64_t>& order) {
+  keys.resize(n);
+  for (int64_t i = 0; i < n; ++i) keys[i] = (uint64_t(order_key(vote[i])) << 32) | uint64_t(0xffffffffu - uint32_t(i));
+  if (m < n) std::nth_element(keys.begin(), keys.begin() + m, keys.end(), std::greater<uint64_t>());
   order.resize(m);
+  for (int64_t i = 0; i < m; ++i) order[i] = int64_t(0xffffffffu - uint32_t(keys[i] & 0xffffffffu));
 }
 
 }  // namespace
@@ -160,26 +267,19 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
                    int64_t* out) {                                     // [batch, heads, k]
   if (k > m || m > n || k < 1) return 1;
   Scratch& s = scratch();
-  const int64_t nbytes = d * bits / 8;
-  const int64_t anchor_nbytes = anchor_bits ? d * anchor_bits / 8 : 0;
-  const int64_t fine_nbytes = fine_bits ? d * fine_bits / 8 : 0;
-  float lv[256], anchor_lv[256], fine_lv[256];
-  code_levels(bits, lv);
-  if (anchor_bits) code_levels(anchor_bits, anchor_lv);
-  if (fine_bits) code_levels(fine_bits, fine_lv);
-  const int64_t widest = std::max({nbytes, anchor_nbytes, fine_nbytes});
   s.qr.resize(group * d);
-  s.tables.resize(group * widest * 256);
   s.logits.resize(group * n);
   s.vote.resize(n);
   s.vote2.resize(m);
+  s.part.resize(group);
 
   for (int64_t b = 0; b < batch; ++b) {
     const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
     for (int64_t h = 0; h < heads; ++h) {
+      const int64_t bh = b * heads + h;
       // 1. the group's queries, rotated and weighted
       for (int64_t g = 0; g < group; ++g) {
-        const float* q = query + ((b * heads + h) * group + g) * d;
+        const float* q = query + (bh * group + g) * d;
         float* qr = s.qr.data() + g * d;
         for (int64_t c = 0; c < d; ++c) qr[c] = 0.0f;
         for (int64_t j = 0; j < d; ++j) {
@@ -190,30 +290,24 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
         if (gains)
           for (int64_t c = 0; c < d; ++c) qr[c] *= gains[h * d + c];
       }
-      // 2. every row's estimated logit from its code
-      const uint8_t* codes_h = codes + (b * heads + h) * codes_cap * nbytes;
-      const uint16_t* rms_h = rms + (b * heads + h) * rms_cap;
-      for (int64_t g = 0; g < group; ++g) build_tables(s.qr.data() + g * d, d, bits, lv, s.tables.data() + g * nbytes * 256);
-      for (int64_t r = 0; r < n; ++r) {
-        const uint8_t* code = codes_h + r * nbytes;
-        const float scale = half_to_float(rms_h[r]) * scaling;
-        for (int64_t g = 0; g < group; ++g)
-          s.logits[g * n + r] = score_row(s.tables.data() + g * nbytes * 256, code, nbytes) * scale;
+      // 2. every row's estimated logit from its code: logits[g * n + r]
+      {
+        Scorer scorer(s.qr.data(), group, d, bits);
+        scorer.reserve(n);
+        scorer.score_rows(codes + bh * codes_cap * scorer.nbytes(), rms + bh * rms_cap, nullptr, n, scaling,
+                          s.logits.data());
       }
       // 3. anchors through their finer codes; padding out
       if (anchors) {
+        Scorer scorer(s.qr.data(), group, d, anchor_bits);
+        const int64_t nb = scorer.nbytes();
         const int64_t* pos = anchor_pos + b * anchors;
-        const uint8_t* acodes = anchor_codes + (b * heads + h) * anchors * anchor_nbytes;
-        const uint16_t* arms = anchor_rms + (b * heads + h) * anchors;
-        for (int64_t g = 0; g < group; ++g)
-          build_tables(s.qr.data() + g * d, d, anchor_bits, anchor_lv, s.tables.data() + g * anchor_nbytes * 256);
         for (int64_t a = 0; a < anchors; ++a) {
           const int64_t p = pos[a];
           if (p < 0 || p >= n) continue;
-          const float scale = half_to_float(arms[a]) * scaling;
-          for (int64_t g = 0; g < group; ++g)
-            s.logits[g * n + p] = score_row(s.tables.data() + g * anchor_nbytes * 256, acodes + a * anchor_nbytes,
-                                            anchor_nbytes) * scale;
+          scorer.score(anchor_codes + (bh * anchors + a) * nb, s.part.data(), 1);
+          const float scale = half_to_float(anchor_rms[bh * anchors + a]) * scaling;
+          for (int64_t g = 0; g < group; ++g) s.logits[g * n + p] = s.part[g] * scale;
         }
       }
       if (valid_b)
@@ -224,15 +318,8 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
       std::fill(s.vote.begin(), s.vote.end(), 0.0f);
       for (int64_t g = 0; g < group; ++g) {
         float* l = s.logits.data() + g * n;
-        float mx = -kInf;
-        for (int64_t r = 0; r < n; ++r) mx = std::max(mx, l[r]);
-        float sum = 0.0f;
-        for (int64_t r = 0; r < n; ++r) {
-          l[r] = std::exp(l[r] - mx);
-          sum += l[r];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r] * inv;
+        softmax(l, n);
+        for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r];
       }
       // 5. forced rows, then the best m
       const int64_t* sp = sink_pos + b * sinks;
@@ -242,38 +329,32 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
       if (valid_b)
         for (int64_t r = 0; r < n; ++r)
           if (!valid_b[r]) s.vote[r] = -kInf;
-      top_m(s.vote.data(), n, m, s.order);
-      int64_t* dst = out + (b * heads + h) * k;
+      top_m(s.vote.data(), n, m, s.keys, s.order);
+      int64_t* dst = out + bh * k;
       if (m > k) {
-        // 6. the candidates rescored with their finer codes
-        const uint8_t* fine_h = fine_codes + (b * heads + h) * fine_cap * fine_nbytes;
-        const uint16_t* frms_h = fine_rms + (b * heads + h) * fine_rms_cap;
-        for (int64_t g = 0; g < group; ++g)
-          build_tables(s.qr.data() + g * d, d, fine_bits, fine_lv, s.tables.data() + g * fine_nbytes * 256);
+        // 6. the candidates rescored with their finer host codes (padding is not masked here: the torch path's
+        // softmax over the candidates does not mask it either; it stays out through its -inf first-stage vote)
+        Scorer scorer(s.qr.data(), group, d, fine_bits);
+        scorer.reserve(m);
+        float* l = s.logits.data();  // reused: [group][m]
+        for (int64_t j = 0; j < m; ++j) {  // random rows of the host tier: ask for all of them before reading one
+          __builtin_prefetch(fine_codes + (bh * fine_cap + s.order[j]) * scorer.nbytes());
+          __builtin_prefetch(fine_rms + bh * fine_rms_cap + s.order[j]);
+        }
+        scorer.score_rows(fine_codes + bh * fine_cap * scorer.nbytes(), fine_rms + bh * fine_rms_cap, s.order.data(),
+                          m, scaling, l);
         std::fill(s.vote2.begin(), s.vote2.begin() + m, 0.0f);
-        float* l = s.logits.data();  // reused: [m] per query head
         for (int64_t g = 0; g < group; ++g) {
-          const float* t = s.tables.data() + g * fine_nbytes * 256;
-          float mx = -kInf;
-          for (int64_t j = 0; j < m; ++j) {
-            const int64_t r = s.order[j];
-            l[j] = score_row(t, fine_h + r * fine_nbytes, fine_nbytes) * half_to_float(frms_h[r]) * scaling;
-            mx = std::max(mx, l[j]);
-          }
-          float sum = 0.0f;
-          for (int64_t j = 0; j < m; ++j) {
-            l[j] = std::exp(l[j] - mx);
-            sum += l[j];
-          }
-          const float inv = 1.0f / sum;
-          for (int64_t j = 0; j < m; ++j) s.vote2[j] += l[j] * inv;
+          float* lg = l + g * m;
+          softmax(lg, m);
+          for (int64_t j = 0; j < m; ++j) s.vote2[j] += lg[j];
         }
         for (int64_t j = 0; j < m; ++j) {
           const float first = s.vote[s.order[j]];
           if (std::isinf(first)) s.vote2[j] = first;
         }
         s.cand.assign(s.order.begin(), s.order.end());
-        top_m(s.vote2.data(), m, k, s.order);
+        top_m(s.vote2.data(), m, k, s.keys, s.order);
         for (int64_t j = 0; j < k; ++j) dst[j] = s.cand[s.order[j]];
       } else {
         for (int64_t j = 0; j < k; ++j) dst[j] = s.order[j];
@@ -331,6 +412,56 @@ int zk_sekv_codes(int64_t batch, int64_t heads, int64_t rows, int64_t d,
           out[j] = uint8_t(byte);
         }
       }
+    }
+  }
+  return 0;
+}
+
+// The recalled rows and the summary row in one pass: rows idx[b, h, :k] of the host keys/values copied into the
+// recall buffers' rows 0..k-1, and row k set to the mean of every other row, (running sum - the selected
+// rows) / (count - selected), with a logit bias of log(count - selected) + offset[h] (-inf when no row is left
+// out); selected padding rows get bias -inf and count for nothing. As zoomkv.memory.tail.with_tail computes it.
+int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t dv,
+                   const int64_t* idx,                                   // [batch, heads, k]
+                   const float* keys, int64_t keys_cap,                  // [batch, heads, keys_cap, dk]
+                   const float* values, int64_t values_cap,              // [batch, heads, values_cap, dv]
+                   const uint8_t* valid, int64_t valid_cap,              // [batch, valid_cap] or null
+                   const float* key_sum, const float* value_sum,         // [batch, heads, dk | dv]
+                   const float* count, const float* offset,              // [batch, heads], [heads] or null
+                   float* out_keys, float* out_values, int64_t out_cap,  // [batch, heads, out_cap, dk | dv]
+                   float* bias) {                                        // [batch, heads, k + 1]
+  if (out_cap < k + 1) return 1;
+  std::vector<float> sk(dk), sv(dv);
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t bh = b * heads + h;
+      const int64_t* rows = idx + bh * k;
+      float* ok = out_keys + bh * out_cap * dk;
+      float* ov = out_values + bh * out_cap * dv;
+      float* bb = bias + bh * (k + 1);
+      std::fill(sk.begin(), sk.end(), 0.0f);
+      std::fill(sv.begin(), sv.end(), 0.0f);
+      float chosen = 0.0f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float* kr = keys + (bh * keys_cap + rows[i]) * dk;
+        const float* vr = values + (bh * values_cap + rows[i]) * dv;
+        std::memcpy(ok + i * dk, kr, dk * 4);
+        std::memcpy(ov + i * dv, vr, dv * 4);
+        if (valid_b && !valid_b[rows[i]]) {
+          bb[i] = -kInf;
+          continue;
+        }
+        bb[i] = 0.0f;
+        chosen += 1.0f;
+        for (int64_t c = 0; c < dk; ++c) sk[c] += kr[c];
+        for (int64_t c = 0; c < dv; ++c) sv[c] += vr[c];
+      }
+      const float rest = count[bh] - chosen;
+      const float denom = std::max(rest, 1.0f);
+      for (int64_t c = 0; c < dk; ++c) ok[k * dk + c] = (key_sum[bh * dk + c] - sk[c]) / denom;
+      for (int64_t c = 0; c < dv; ++c) ov[k * dv + c] = (value_sum[bh * dv + c] - sv[c]) / denom;
+      bb[k] = rest > 0.5f ? std::log(denom) + (offset ? offset[h] : 0.0f) : -kInf;
     }
   }
   return 0;
