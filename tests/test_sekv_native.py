@@ -30,17 +30,17 @@ def config():
     return load_model("tiny-llama")[0].config
 
 
-def _memory(config, method, t, budget, seed, batch=1, valid=None):
+def _memory(config, method, t, budget, seed, batch=1, valid=None, d=D):
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(batch, H, t, D, generator=g) * (1 + torch.rand(batch, H, 1, D, generator=g) * 3)
-    values = torch.randn(batch, H, t, D, generator=g)
+    keys = torch.randn(batch, H, t, d, generator=g) * (1 + torch.rand(batch, H, 1, d, generator=g) * 3)
+    values = torch.randn(batch, H, t, d, generator=g)
     surprisal = torch.rand(batch, t, generator=g) ** 4 * 10
     cache = ZoomCache(config, method, budget)
     memory = cache.layers[0]
     memory.lazy_initialization(keys, values)
     memory.seen = t
     ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values,
-                         queries=torch.zeros(batch, H * G, t, D), valid=valid, budget=budget, scaling=D**-0.5,
+                         queries=torch.zeros(batch, H * G, t, d), valid=valid, budget=budget, scaling=d**-0.5,
                          num_kv_groups=G, zoom_layers=cache.zoom_layer_indices, surprisal=surprisal)
     method.compress(memory, ctx)
     return memory, g
@@ -87,6 +87,17 @@ def test_native_router_picks_the_rows_the_torch_path_picks(config, kwargs, seed)
         method.append(memory, key, value)
         query = torch.randn(2, H * G, 1, D, generator=g) * 2
         _assert_same(*_both(method, memory, query))
+
+
+@pytest.mark.parametrize("t", [300, 333])
+def test_native_router_at_head_dim_64(config, t):
+    """Head dim 64 at one bit: the 16-rows-at-a-time path (AVX-512 where the CPU has it), and the rows after the
+    last whole 16."""
+    method = SeKV()
+    memory, g = _memory(config, method, t=t, budget=48, seed=7, batch=2, d=64)
+    for _ in range(3):
+        method.append(memory, torch.randn(2, H, 1, 64, generator=g), torch.randn(2, H, 1, 64, generator=g))
+        _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, 64, generator=g) * 2))
 
 
 def test_native_router_keeps_padding_out(config):
