@@ -356,6 +356,6 @@ def _after_final_norm(model: torch.nn.Module, module: torch.nn.Module, args: tup
     valid = next(iter(cache.pending.values())).valid
     cache.surprisal = token_surprisal(
         output, ids, model.get_output_embeddings(), valid=valid,
-        softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None),
+        softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None), fast=True,
     )
     finish_prefill(cache, cache.surprisal)

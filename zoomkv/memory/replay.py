@@ -86,7 +86,7 @@ def cache_from_record(
     cache = ZoomCache(model, method, budget, tokenizer=tokenizer, **cache_kwargs)
     cache.prompt_ids = record.input_ids
     resolved = cache.resolve_budget(record.length)
-    surprisal = record_surprisal(model, record) if cache.method.needs_surprisal else None
+    surprisal = record_surprisal(model, record, fast=True) if cache.method.needs_surprisal else None
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LayerMemory):
             ctx = record.contexts[i]
@@ -105,7 +105,9 @@ def cache_from_record(
     return cache
 
 
-def record_surprisal(model: Any, record: PrefillRecord) -> torch.Tensor:
+def record_surprisal(model: Any, record: PrefillRecord, fast: bool = False) -> torch.Tensor:
+    """The record's token surprisal, computed once (``fast``: inference's bf16 projection where it pays, as a
+    live cache computes it; a training teacher keeps float32)."""
     if record.surprisal is None:
         if record.final_hidden is None:
             raise RuntimeError("this prefill record has no final hidden states to compute surprisal from")
@@ -113,6 +115,6 @@ def record_surprisal(model: Any, record: PrefillRecord) -> torch.Tensor:
         record.surprisal = token_surprisal(
             record.final_hidden, record.input_ids, model.get_output_embeddings(),
             valid=None if bool(valid.all()) else valid,
-            softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None),
+            softcap=getattr(compat.text_config(model.config), "final_logit_softcapping", None), fast=fast,
         )
     return record.surprisal

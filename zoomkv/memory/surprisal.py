@@ -3,11 +3,19 @@
 ``generate()`` only computes logits for the last prompt position, so methods that need surprisal
 (``needs_surprisal = True``, e.g. sekv's anchors) get it from the final hidden states, projected through
 the LM head a chunk of positions at a time (a 4K prompt × 49K vocabulary never materialises at once).
+
+That projection is most of what surprisal costs a prefill (a 4K prompt: 4K × 49K logits, ~20% of the
+prompt's pass on the CPU). At inference (``fast=True``) a float32 model on a CPU with native bf16 matmuls
+(AVX-512 BF16 / AMX) projects in bf16: half the time, surprisal within ~0.02 nats (the anchors are the tokens
+several nats above the mean). Training's teacher records keep the float32 projection.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 
 @torch.no_grad()
@@ -19,6 +27,7 @@ def token_surprisal(
     valid: torch.Tensor | None = None,
     softcap: float | None = None,
     chunk: int = 256,
+    fast: bool = False,
 ) -> torch.Tensor:
     """``hidden`` ``[b, T, H]`` (after the final norm), ``input_ids`` ``[b, T]`` → ``[b, T]`` float32 nats.
 
@@ -27,9 +36,10 @@ def token_surprisal(
     """
     b, t, _ = hidden.shape
     out = torch.zeros(b, t, dtype=torch.float32, device=hidden.device)
+    project = _bf16_head(lm_head) if fast and _bf16_fits(lm_head, hidden) else lm_head
     for start in range(0, t - 1, chunk):
         stop = min(start + chunk, t - 1)
-        logits = lm_head(hidden[:, start:stop]).float()
+        logits = project(hidden[:, start:stop]).float()
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         logp = torch.log_softmax(logits, dim=-1)
@@ -44,3 +54,19 @@ def token_surprisal(
     elif t > 1:
         out[:, 0] = out[:, 1:].mean(-1)
     return out
+
+
+@functools.cache
+def _cpu_bf16_matmul() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _bf16_fits(lm_head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    return (isinstance(lm_head, torch.nn.Linear) and hidden.device.type == "cpu" and hidden.dtype == torch.float32
+            and lm_head.weight.dtype == torch.float32 and _cpu_bf16_matmul())
+
+
+def _bf16_head(lm_head: torch.nn.Linear):
+    weight = lm_head.weight.to(torch.bfloat16)
+    bias = None if lm_head.bias is None else lm_head.bias.to(torch.bfloat16)
+    return lambda x: F.linear(x.to(torch.bfloat16), weight, bias)
