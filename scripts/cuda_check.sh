@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (CI has no GPU): the CUDA tests, then decode timings on
-# a SmolLM2-135M-shaped and a Llama-3.1-8B-shaped model with random weights (timing only).
+# a SmolLM2-135M-shaped and a Llama-3.1-8B-shaped model with random weights (timing only), sekv (its fresh
+# adapter: the trained one does the same work per step) beside full and the recallable baselines.
 #
 #   bash scripts/cuda_check.sh [OUT_DIR]
 #
@@ -42,9 +43,9 @@ bench() {  # name, seconds, then zoomkv bench arguments
   timeout "$secs" $py -m zoomkv bench --random-weights --device cuda --dtype bfloat16 "$@" 2>&1 | tee -a "$out/$name.md"
 }
 bench bench_smollm2_8k "${BENCH1_TIMEOUT:-110}" --model "$shapes/smollm2-135m" --length 8000 \
-  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 64 --repeats 3
+  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm,sekv --budgets 1024 --new-tokens 64 --repeats 3
 bench bench_llama8b_16k "${BENCH2_TIMEOUT:-190}" --model "$shapes/llama-3.1-8b" --length 16384 \
-  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 1024 --new-tokens 32 --repeats 3
+  --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm,sekv --budgets 1024 --new-tokens 32 --repeats 3
 # Several sequences at once (tokens/s over the batch) and the sync audit per decode step (issue 16): on a GPU
 # the audit also names the recall's device-to-host copies.
 bench bench_smollm2_8k_batch4 "${BENCH3_TIMEOUT:-90}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \

@@ -45,3 +45,16 @@ def test_the_table_shows_tokens_per_second_and_no_audit_column_unasked(capsys):
 def test_a_batch_of_none_is_refused():
     with pytest.raises(ZoomKVError, match="--batch-size"):
         run_bench(_args("--batch-size", "0"))
+
+
+def test_profile_splits_a_decode_step_into_its_phases(capsys):
+    rows = run_bench(_args("--methods", "full,sekv,quest", "--budgets", "48", "--new-tokens", "4", "--profile"))
+    out = capsys.readouterr().out
+    assert "| method | budget | step ms | selection | recall | append | attention | rest |" in out
+    full, sekv, quest = (r["profile_ms"] for r in rows)
+    for p in (full, sekv, quest):
+        assert sum(p[name] for name in ("selection", "recall", "append", "attention", "rest")) == \
+            pytest.approx(p["step"], abs=0.05)
+    for p in (sekv, quest):  # the recallable methods score, recall and attend every compressed layer
+        assert p["selection"] > 0 and p["recall"] > 0 and p["attention"] > 0 and p["append"] > 0
+    assert full["recall"] == 0  # full recalls nothing: its rows are all on the device

@@ -84,6 +84,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             samples[i].append(timed(run, args.new_tokens))
 
     syncs = _sync_audit(model, tokenizer, prompts, configs, t0) if getattr(args, "sync_audit", False) else {}
+    profiles = _profile(model, tokenizer, prompts, configs, args.new_tokens, t0) if getattr(args, "profile", False) else {}
 
     rows = []
     full_prefill = statistics.median(r.prefill_s for r, _ in samples[reference])
@@ -111,6 +112,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "peak_device_bytes": mem.peak_device_bytes,
             "peak_device_rows": mem.peak_device_rows,
             "cuda_peak_bytes": cuda_peak,  # torch.cuda.max_memory_allocated over the run, above what was allocated before
+            "profile_ms": profiles.get(i),  # with --profile: ms per decode step in each phase (a run of its own)
         })
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
@@ -139,7 +141,55 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
                   f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
                   + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else "")
                   + ((f" {sps:g} |" if sps is not None else " - |") if audit else ""))
+        if profiles:
+            _print_profile(rows)
     return rows
+
+
+PHASES = ("selection", "recall", "append", "attention", "rest")
+
+
+def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec], new_tokens: int,
+             t0: float) -> dict[int, dict[str, float]]:
+    """Per configuration (by index in ``configs``): ms per decode step in each phase of the compressed layers
+    (zoomkv.protocol.phases), from one more run of ``new_tokens`` under the phase clock; ``rest`` is the step's
+    time outside them (the model's own layers, dense layers, sampling)."""
+    import torch
+
+    from zoomkv.protocol.phases import PhaseClock, measuring
+
+    cuda = model.device.type == "cuda"
+    found = {}
+    for i, run in enumerate(configs):
+        clock = PhaseClock(sync=(lambda: torch.cuda.synchronize(model.device)) if cuda else None)
+        with measuring(clock):
+            result = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new_tokens, chat=False,
+                                   stop_at_eos=False)
+        steps = max(result.new_tokens - 1, 1)  # the decode steps after the prefill's first token
+        t = {name: 1000 * sec / steps for name, sec in clock.totals.items()}
+        select, recall = t.get("select", 0.0), t.get("recall", 0.0)
+        parts = {"selection": select - recall, "recall": recall, "append": t.get("append", 0.0),
+                 "attention": t.get("attend", 0.0)}
+        parts["rest"] = result.decode_ms_per_token - sum(parts.values())
+        found[i] = {name: round(v, 2) for name, v in parts.items()} | {"step": round(result.decode_ms_per_token, 2)}
+        _progress(t0, f"profiled {_name(run)}")
+    return found
+
+
+def _print_profile(rows: list[dict[str, Any]]) -> None:
+    print()
+    print("Where a decode step goes (ms per step, one run under the phase clock: `--profile`): selection = "
+          "scoring and top-k, recall = host rows into the device tier (and the summary row), append = the new "
+          "row into the tiers and the index, attention = over the selected rows, rest = the model outside them.")
+    print()
+    print("| method | budget | step ms | " + " | ".join(PHASES) + " |")
+    print("|---|---|---|" + "---|" * len(PHASES))
+    for r in rows:
+        p = r["profile_ms"]
+        if p is None:
+            continue
+        print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | {p['step']:.1f} | "
+              + " | ".join(f"{p[name]:.1f}" for name in PHASES) + " |")
 
 
 SYNC_AUDIT_STEPS = 4

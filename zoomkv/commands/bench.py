@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="decode this many prompts together (each with its own pass key); tokens/s counts them all")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run each configuration once under a phase clock and print where a decode step's "
+                             "time goes: selection (scoring, top-k), recall (host rows into the device tier), append "
+                             "(the new row into the tiers and index), attention over the selected rows, and the rest")
     parser.add_argument("--sync-audit", action="store_true",
                         help="also audit a few decode steps per configuration for ops that make the host wait for the "
                              "device (.item(), nonzero, device-to-host copies; see zoomkv.memory.sync_audit)")

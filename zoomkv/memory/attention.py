@@ -28,6 +28,7 @@ from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.protocol.method import PrefillContext, Selection
+from zoomkv.protocol.phases import phase
 
 ATTENTION_NAME = "zoomkv"
 
@@ -151,19 +152,23 @@ def zoomkv_attention_forward(
         )
     if query.shape[2] > 1:
         return extend_layer(module, cache, memory, query, key, value, attention_mask, scale, **kwargs), None
-    method.append(memory, key, value)
-    if cache.tail_summary:
-        append_tail(memory, key, value)
-    sel = method.select(memory, query)
+    with phase("append"):
+        method.append(memory, key, value)
+        if cache.tail_summary:
+            append_tail(memory, key, value)
+    with phase("select"):
+        sel = method.select(memory, query)
     _check_budget(cache, memory, cache.budget_rows)
     if cache.probe is not None:
         cache.probe.step(layer_idx, query, key, sel, scale)
-    if cache.tail_summary:
-        sel = with_tail(memory, sel)
-    if sel.use_model_mask:
-        out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0, scaling=scale, **kwargs)
-        return out, None
-    return attend(query, sel, scale), None
+    with phase("attend"):
+        if cache.tail_summary:
+            sel = with_tail(memory, sel)
+        if sel.use_model_mask:
+            out, _ = sdpa_attention_forward(module, query, sel.keys, sel.values, attention_mask, dropout=0.0,
+                                            scaling=scale, **kwargs)
+            return out, None
+        return attend(query, sel, scale), None
 
 
 def extend_layer(module: torch.nn.Module, cache: Any, memory: Any, query: torch.Tensor, key: torch.Tensor,

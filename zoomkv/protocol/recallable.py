@@ -21,6 +21,7 @@ import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, RowBufferLike, Selection
+from zoomkv.protocol.phases import phase
 
 
 # -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
@@ -98,13 +99,14 @@ def recall_rows(
     """Gather rows ``idx`` (``[b, h, k]``, or None for all rows) of the host-tier row buffers ``keys`` /
     ``values`` into the device recall buffer; returns views of the filled part. Quantized buffers decode
     only the rows gathered."""
-    k = keys.length if idx is None else idx.shape[2]
-    reserve_recall_buffer(memory, k, prefix)
-    rk = memory.device_tier[f"{prefix}_keys"][:, :, :k]
-    rv = memory.device_tier[f"{prefix}_values"][:, :, :k]
-    rk.copy_(keys.gather(idx), non_blocking=True)
-    rv.copy_(values.gather(idx), non_blocking=True)
-    return rk, rv
+    with phase("recall"):
+        k = keys.length if idx is None else idx.shape[2]
+        reserve_recall_buffer(memory, k, prefix)
+        rk = memory.device_tier[f"{prefix}_keys"][:, :, :k]
+        rv = memory.device_tier[f"{prefix}_values"][:, :, :k]
+        rk.copy_(keys.gather(idx), non_blocking=True)
+        rv.copy_(values.gather(idx), non_blocking=True)
+        return rk, rv
 
 
 def padding_bias(valid: torch.Tensor | None, idx: torch.Tensor | None, heads: int, dtype, device) -> torch.Tensor | None:

@@ -47,6 +47,7 @@ from zoomkv.methods.sekv.host import masked_mean, principal_directions, project,
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
 from zoomkv.protocol import rotary
 from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.phases import phase
 from zoomkv.protocol.recallable import (
     RecallableMethod,
     append_host_rows,
@@ -369,6 +370,10 @@ class SeKV(RecallableMethod):
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
         if not memory.meta["low_rank"]:
             return recall_rows(memory, keys, values, idx)
+        with phase("recall"):
+            return self._recall_low_rank(memory, keys, values, idx)
+
+    def _recall_low_rank(self, memory, keys, values, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         dev = memory.device_tier
         k = keys.length if idx is None else idx.shape[2]
         reserve_recall_buffer(memory, k)
@@ -550,10 +555,11 @@ class SeKV(RecallableMethod):
         memory.meta["summary_slot"] = True
         valid = host.get("valid")
         offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
-        bias = native.recall(idx, host["keys"].data, host["values"].data,
-                             None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"],
-                             dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset, dev["recall_keys"],
-                             dev["recall_values"])
+        with phase("recall"):
+            bias = native.recall(idx, host["keys"].data, host["values"].data,
+                                 None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"],
+                                 dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset, dev["recall_keys"],
+                                 dev["recall_values"])
         return Selection(dev["recall_keys"][:, :, : k + 1], dev["recall_values"][:, :, : k + 1], bias)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
@@ -577,4 +583,5 @@ class SeKV(RecallableMethod):
         if not self.config.summary_row:
             return sel
         offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
-        return with_tail(memory, sel, prefix=TAIL, offset=offset)
+        with phase("recall"):  # the summary row joins the recalled rows (the compiled recall writes both at once)
+            return with_tail(memory, sel, prefix=TAIL, offset=offset)
