@@ -30,12 +30,12 @@ def config():
     return load_model("tiny-llama")[0].config
 
 
-def _memory(config, method, t, budget, seed, batch=1, valid=None, d=D):
+def _memory(config, method, t, budget, seed, batch=1, valid=None, d=D, kv_quant=None):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, H, t, d, generator=g) * (1 + torch.rand(batch, H, 1, d, generator=g) * 3)
     values = torch.randn(batch, H, t, d, generator=g)
     surprisal = torch.rand(batch, t, generator=g) ** 4 * 10
-    cache = ZoomCache(config, method, budget)
+    cache = ZoomCache(config, method, budget, kv_quant=kv_quant)
     memory = cache.layers[0]
     memory.lazy_initialization(keys, values)
     memory.seen = t
@@ -98,6 +98,18 @@ def test_native_router_at_head_dim_64(config, t):
     for _ in range(3):
         method.append(memory, torch.randn(2, H, 1, 64, generator=g), torch.randn(2, H, 1, 64, generator=g))
         _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, 64, generator=g) * 2))
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "int4"])
+@pytest.mark.parametrize("d", [D, 64])
+def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d):
+    """sekv+int8 / +int4: the compiled recall decodes only the rows it gathers, as QuantizedRowBuffer.gather."""
+    method = SeKV()
+    memory, g = _memory(config, method, t=260, budget=40, seed=8, batch=2, d=d, kv_quant=kv_quant)
+    assert native.host_rows(memory.host_tier["keys"])[2] == int(kv_quant[3:])
+    for _ in range(2):
+        method.append(memory, torch.randn(2, H, 1, d, generator=g), torch.randn(2, H, 1, d, generator=g))
+        _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, d, generator=g)))
 
 
 def test_native_router_keeps_padding_out(config):

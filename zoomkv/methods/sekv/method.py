@@ -538,17 +538,16 @@ class SeKV(RecallableMethod):
             fine_bits=c.rescore_bits)
 
     def _recall_natively(self, memory) -> bool:
-        """Whether the recall and the summary row can be one compiled pass: plain float32 rows on both tiers
-        (a quantized or low-rank host tier decodes through ``_recall``)."""
-        host, dev = memory.host_tier, memory.device_tier
+        """Whether the recall and the summary row can be one compiled pass: float32 or int8/int4 host rows, a
+        float32 recall buffer (a low-rank host tier decodes through ``_recall``)."""
+        dev = memory.device_tier
         return (self.config.summary_row and not memory.meta["low_rank"]
-                and all(type(host[name]) is RowBuffer and host[name].data.dtype == torch.float32
-                        for name in ("keys", "values"))
-                and dev["recall_keys"].dtype == torch.float32 and dev["recall_values"].dtype == torch.float32)
+                and dev["recall_keys"].dtype == torch.float32 and dev["recall_values"].dtype == torch.float32
+                and all(native.host_rows(memory.host_tier[name]) is not None for name in ("keys", "values")))
 
     def _recall_native(self, memory, idx: torch.Tensor) -> Selection:
-        """The rows ``idx`` recalled and the summary row after them in the recall buffer, in one compiled pass:
-        what ``_recall`` + ``with_tail`` give, without the concatenation."""
+        """The rows ``idx`` recalled (decoded when quantized) and the summary row after them in the recall
+        buffer, in one compiled pass: what ``_recall`` + ``with_tail`` give, without the concatenation."""
         dev, host = memory.device_tier, memory.host_tier
         k = idx.shape[2]
         reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
@@ -556,10 +555,10 @@ class SeKV(RecallableMethod):
         valid = host.get("valid")
         offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
         with phase("recall"):
-            bias = native.recall(idx, host["keys"].data, host["values"].data,
-                                 None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"],
-                                 dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset, dev["recall_keys"],
-                                 dev["recall_values"])
+            bias = native.recall(idx, native.host_rows(host["keys"]), native.host_rows(host["values"]),
+                                 memory.key_dim, memory.value_dim, None if valid is None else valid.data[:, 0, :, 0],
+                                 dev[f"{TAIL}_key_sum"], dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset,
+                                 dev["recall_keys"], dev["recall_values"])
         return Selection(dev["recall_keys"][:, :, : k + 1], dev["recall_values"][:, :, : k + 1], bias)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:

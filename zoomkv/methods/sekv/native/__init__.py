@@ -22,6 +22,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
                 _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
                 _P]  # out
-_RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
+_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64]  # rows, capacity, bits (0: float32), scale, minimum, group
+_RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
 
 
@@ -188,26 +190,43 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
     return codes, rms, fine, fine_rms
 
 
-def recall(idx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+def host_rows(buf: Any) -> list | None:
+    """A host-tier row buffer as ``zk_sekv_recall`` reads it (float32 rows, or int8/int4 codes with their
+    scales and minimums), or None when it cannot (another dtype, a padded int4 width, a low-rank tier)."""
+    from zoomkv.memory.quant import QuantizedRowBuffer
+    from zoomkv.memory.tiers import RowBuffer
+
+    if type(buf) is RowBuffer:
+        data = buf.data
+        ok = data.dtype == torch.float32 and data.is_contiguous() and data.device.type == "cpu"
+        return [_ptr(data), data.shape[2], 0, None, None, 0] if ok else None
+    group = min(getattr(buf, "group", 1), getattr(buf, "width", 0))  # quantize() takes one group a row on small heads
+    if type(buf) is QuantizedRowBuffer and buf.dtype == torch.float32 and not buf.pad and buf.width % group == 0:
+        parts = (buf.codes.data, buf.scale.data, buf.lo.data)
+        if all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
+            return [_ptr(parts[0]), parts[0].shape[2], buf.spec.bits, _ptr(parts[1]), _ptr(parts[2]), group]
+    return None
+
+
+def recall(idx: torch.Tensor, keys: list, values: list, dk: int, dv: int, valid: torch.Tensor | None,
            key_sum: torch.Tensor, value_sum: torch.Tensor, count: torch.Tensor, offset: torch.Tensor | None,
            out_keys: torch.Tensor, out_values: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` ``[b, h, k]`` of the host ``keys``/``values`` (float32 row-buffer storage ``[b, h, capacity,
-    d]``) into ``out_keys``/``out_values`` rows ``0..k-1`` and the summary row into row ``k`` (what
-    ``with_tail`` adds: the rest's mean from the running sums); returns the ``[b, h, k + 1]`` logit bias."""
+    """Rows ``idx`` ``[b, h, k]`` of the host rows ``keys``/``values`` (``host_rows`` of their buffers) decoded
+    into ``out_keys``/``out_values`` rows ``0..k-1`` and the summary row into row ``k`` (what ``with_tail`` adds:
+    the rest's mean from the running sums); returns the ``[b, h, k + 1]`` logit bias."""
     lib = library()
     assert lib is not None
     b, h, k = idx.shape
-    dk, dv = keys.shape[-1], values.shape[-1]
-    for t in (keys, values, out_keys, out_values):
+    for t in (out_keys, out_values):
         if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError("sekv's native recall reads and writes contiguous float32 rows")
+            raise ValueError("sekv's native recall writes contiguous float32 rows")
     bias = torch.empty(b, h, k + 1)
     v = _bytes(valid)
     sums = [t.float().contiguous() for t in (key_sum, value_sum, count)]
     off = offset.float().contiguous() if offset is not None else None
-    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx.contiguous()), _ptr(keys), keys.shape[2], _ptr(values),
-                            values.shape[2], _ptr(v), 0 if v is None else v.shape[-1], *(_ptr(t) for t in sums),
-                            _ptr(off), _ptr(out_keys), _ptr(out_values), out_keys.shape[2], _ptr(bias))
+    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx.contiguous()), *keys, *values, _ptr(v),
+                            0 if v is None else v.shape[-1], *(_ptr(t) for t in sums), _ptr(off), _ptr(out_keys),
+                            _ptr(out_values), out_keys.shape[2], _ptr(bias))
     if rc:
         raise ValueError(f"sekv's native recall needs {k + 1} rows in the recall buffer, it has {out_keys.shape[2]}")
     return bias

@@ -467,20 +467,65 @@ int zk_sekv_codes(int64_t batch, int64_t heads, int64_t rows, int64_t d,
   return 0;
 }
 
-// The recalled rows and the summary row in one pass: rows idx[b, h, :k] of the host keys/values copied into the
-// recall buffers' rows 0..k-1, and row k set to the mean of every other row, (running sum - the selected
+}  // extern "C"
+
+namespace {
+
+// A host tier's rows as the recall reads them: float32, or int8 / int4 codes (two to a byte, the low nibble
+// first) with an fp16 scale and minimum per group of channels (zoomkv/memory/quant.py).
+struct HostRows {
+  const void* data;
+  int64_t cap;
+  int bits;  // 0: float32
+  const uint16_t* scale;
+  const uint16_t* lo;
+  int64_t group;
+
+  // Row `row` of (sequence, head) `bh` as float32 into out[0..d).
+  void read(int64_t bh, int64_t row, int64_t d, float* out) const {
+    const int64_t at = bh * cap + row;
+    if (bits == 0) {
+      std::memcpy(out, static_cast<const float*>(data) + at * d, d * 4);
+      return;
+    }
+    const int64_t groups = d / group;
+    const uint16_t* sc = scale + at * groups;
+    const uint16_t* mn = lo + at * groups;
+    if (bits == 8) {
+      const uint8_t* c = static_cast<const uint8_t*>(data) + at * d;
+      for (int64_t i = 0; i < d; ++i) out[i] = float(c[i]) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
+    } else {
+      const uint8_t* c = static_cast<const uint8_t*>(data) + at * (d / 2);
+      for (int64_t i = 0; i < d; ++i) {
+        const unsigned code = (i & 1) ? (c[i / 2] >> 4) : (c[i / 2] & 15u);
+        out[i] = float(code) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// The recalled rows and the summary row in one pass: rows idx[b, h, :k] of the host keys/values decoded into
+// the recall buffers' rows 0..k-1, and row k set to the mean of every other row, (running sum - the selected
 // rows) / (count - selected), with a logit bias of log(count - selected) + offset[h] (-inf when no row is left
 // out); selected padding rows get bias -inf and count for nothing. As zoomkv.memory.tail.with_tail computes it.
 int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t dv,
                    const int64_t* idx,                                   // [batch, heads, k]
-                   const float* keys, int64_t keys_cap,                  // [batch, heads, keys_cap, dk]
-                   const float* values, int64_t values_cap,              // [batch, heads, values_cap, dv]
+                   const void* keys, int64_t keys_cap, int key_bits,     // [batch, heads, keys_cap, dk | codes]
+                   const uint16_t* key_scale, const uint16_t* key_lo, int64_t key_group,
+                   const void* values, int64_t values_cap, int value_bits,
+                   const uint16_t* value_scale, const uint16_t* value_lo, int64_t value_group,
                    const uint8_t* valid, int64_t valid_cap,              // [batch, valid_cap] or null
                    const float* key_sum, const float* value_sum,         // [batch, heads, dk | dv]
                    const float* count, const float* offset,              // [batch, heads], [heads] or null
                    float* out_keys, float* out_values, int64_t out_cap,  // [batch, heads, out_cap, dk | dv]
                    float* bias) {                                        // [batch, heads, k + 1]
   if (out_cap < k + 1) return 1;
+  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group};
+  const HostRows value_rows{values, values_cap, value_bits, value_scale, value_lo, value_group};
   std::vector<float> sk(dk), sv(dv);
   for (int64_t b = 0; b < batch; ++b) {
     const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
@@ -494,10 +539,10 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
       std::fill(sv.begin(), sv.end(), 0.0f);
       float chosen = 0.0f;
       for (int64_t i = 0; i < k; ++i) {
-        const float* kr = keys + (bh * keys_cap + rows[i]) * dk;
-        const float* vr = values + (bh * values_cap + rows[i]) * dv;
-        std::memcpy(ok + i * dk, kr, dk * 4);
-        std::memcpy(ov + i * dv, vr, dv * 4);
+        float* kr = ok + i * dk;
+        float* vr = ov + i * dv;
+        key_rows.read(bh, rows[i], dk, kr);
+        value_rows.read(bh, rows[i], dv, vr);
         if (valid_b && !valid_b[rows[i]]) {
           bb[i] = -kInf;
           continue;
