@@ -222,3 +222,22 @@ def test_an_adapter_of_another_base_model_is_refused_by_its_cache(tmp_path, caps
     code = _main([command, "--model", "tiny-llama", "--adapter", str(folder), *tail])
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[bench")]
     assert code == 2 and len(err) == 1 and "tiny-qwen2" in err[0] and "differ in" in err[0], err
+
+
+def test_a_cache_names_the_base_model_as_load_model_named_it(tiny, saved):
+    """A registry model loads from a converted copy (its config's path is that folder): the cache checks the
+    adapter against the model's own name, not the folder's, and says nothing."""
+    import warnings
+
+    from zoomkv import ZoomCache
+
+    model = tiny[0]
+    before = model.config._name_or_path
+    model.config._name_or_path = "/somewhere/a-converted-copy"
+    try:
+        spec = parse_runs(adapters=[str(saved[1])])[0].cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ZoomCache(model, spec)
+    finally:
+        model.config._name_or_path = before

@@ -128,7 +128,7 @@ class ZoomCache(Cache):
             self.spec = method
         else:
             self.spec = CacheSpec.build(method, budget, **options)
-        self.spec.check_model(config)
+        self.spec.check_model(model_or_config)  # the model itself: its registry name (zoomkv_name) is the base name
         self.method = self.spec.method
         self.budget_rows: int | None = None  # resolved at prefill
         self.tokenizer = tokenizer
