@@ -13,6 +13,7 @@ and kept (with a warning saying where) when it holds a file the target does not.
 from __future__ import annotations
 
 import filecmp
+import json
 import logging
 import os
 import shutil
@@ -25,6 +26,18 @@ log = logging.getLogger(__name__)
 OWNED_MARK = ".zoomkv-owned"
 STAGING_TAG = ".partial-"
 ASIDE_TAG = ".old-"
+
+
+def read_json_object(path: Path, max_bytes: int = 16 << 20) -> dict | None:
+    """A JSON object file zoomkv may have written, read only to recognise it: None when it is missing, a
+    link, larger than ``max_bytes``, unreadable, not JSON or not an object."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > max_bytes:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _mark_text(folder: Path) -> str:

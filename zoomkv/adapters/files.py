@@ -16,14 +16,13 @@ replaces a marked target without needing ``overwrite``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 from zoomkv.adapters.errors import AdapterExistsError
-from zoomkv.atomic import STAGING_TAG, owned_folder, replace_folder, settle_leftovers
+from zoomkv.atomic import STAGING_TAG, owned_folder, read_json_object, replace_folder, settle_leftovers
 
 INCOMPLETE_MARKER = ".zoomkv-incomplete"
 # what identifies a folder zoomkv wrote: an adapter's config, a training checkpoint's meta (names as in
@@ -57,25 +56,15 @@ def is_incomplete(folder: Path) -> bool:
     return (folder / INCOMPLETE_MARKER).exists()
 
 
-def _json_object(path: Path) -> dict | None:
-    try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > 16 << 20:
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def is_adapter_folder(folder: Path) -> bool:
     """A folder zoomkv wrote: an adapter (its ``adapter_config.json`` is zoomkv's), a training checkpoint (its
     ``adapter_meta.json``), or an export that was interrupted (the incomplete marker)."""
     if is_incomplete(folder):
         return True
-    config = _json_object(folder / _CONFIG_NAME)
+    config = read_json_object(folder / _CONFIG_NAME)
     if config is not None and (config.get("library_name") == "zoomkv" or {"format_version", "method"} <= set(config)):
         return True
-    meta = _json_object(folder / _META_NAME)
+    meta = read_json_object(folder / _META_NAME)
     return meta is not None and {"method", "state_sha256"} <= set(meta)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zoomkv.atomic import read_json_object
 from zoomkv.errors import ZoomKVError
 
 # CSV column order; rows.jsonl holds the same fields.
@@ -98,14 +99,8 @@ PART_GLOB = "rows.part-*.jsonl"  # one per process of a sharded run, merged into
 def _run_record(out: Path) -> dict[str, Any] | None:
     """``run.json`` when it is an evaluation run's (it lists its outputs, or, written before that, names the
     model and seed); None when missing or anything else."""
-    path = out / RUN_FILE
-    try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > 16 << 20:
-            return None
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
+    record = read_json_object(out / RUN_FILE)
+    if record is None:
         return None
     if isinstance(record.get("outputs"), list) or {"model", "seed"} <= set(record):
         return record

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from zoomkv import compat
+from zoomkv.atomic import read_json_object
 from zoomkv.data.training import Sample
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.replay import record_prefill, record_surprisal
@@ -34,14 +35,8 @@ def is_cache_folder(folder: Path) -> bool:
     """A teacher cache zoomkv wrote: its mark, or (caches written before the mark) its ``meta.json``."""
     if (folder / CACHE_MARK).is_file():
         return True
-    meta = folder / "meta.json"
-    try:
-        if meta.is_symlink() or not meta.is_file() or meta.stat().st_size > 1 << 20:
-            return False
-        data = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and {"version", "n", "model", "num_samples"} <= set(data)
+    data = read_json_object(folder / "meta.json", max_bytes=1 << 20)
+    return data is not None and {"version", "n", "model", "num_samples"} <= set(data)
 
 
 def check_cache_folder(folder: Path) -> None:

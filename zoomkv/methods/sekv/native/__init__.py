@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import threading
@@ -25,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("select.cpp")
 _lock = threading.Lock()
