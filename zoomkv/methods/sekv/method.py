@@ -537,27 +537,26 @@ class SeKV(RecallableMethod):
             fine_codes=host["fine_codes"].data if m > k else None, fine_rms=host["fine_rms"].data if m > k else None,
             fine_bits=c.rescore_bits)
 
-    def _recall_natively(self, memory) -> bool:
-        """Whether the recall and the summary row can be one compiled pass: float32 or int8/int4 host rows, a
-        float32 recall buffer (a low-rank host tier decodes through ``_recall``)."""
-        dev = memory.device_tier
-        return (self.config.summary_row and not memory.meta["low_rank"]
-                and dev["recall_keys"].dtype == torch.float32 and dev["recall_values"].dtype == torch.float32
-                and all(native.host_rows(memory.host_tier[name]) is not None for name in ("keys", "values")))
-
-    def _recall_native(self, memory, idx: torch.Tensor) -> Selection:
+    def _recall_native(self, memory, idx: torch.Tensor) -> Selection | None:
         """The rows ``idx`` recalled (decoded when quantized) and the summary row after them in the recall
-        buffer, in one compiled pass: what ``_recall`` + ``with_tail`` give, without the concatenation."""
+        buffer, in one compiled pass: what ``_recall`` + ``with_tail`` give, without the concatenation. None
+        when the pass cannot read the tiers (no summary row, a low-rank host tier, rows not float32 or
+        int8/int4): ``_recall`` then does it."""
         dev, host = memory.device_tier, memory.host_tier
+        if not self.config.summary_row or memory.meta["low_rank"] or any(
+                dev[f"recall_{name}"].dtype != torch.float32 for name in ("keys", "values")):
+            return None
+        keys, values = native.host_rows(host["keys"]), native.host_rows(host["values"])
+        if keys is None or values is None:
+            return None
         k = idx.shape[2]
         reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
         memory.meta["summary_slot"] = True
         valid = host.get("valid")
         offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
         with phase("recall"):
-            bias = native.recall(idx, native.host_rows(host["keys"]), native.host_rows(host["values"]),
-                                 memory.key_dim, memory.value_dim, None if valid is None else valid.data[:, 0, :, 0],
-                                 dev[f"{TAIL}_key_sum"], dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset,
+            bias = native.recall(idx, keys, values, memory.key_dim, memory.value_dim,
+                                 None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"], dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset,
                                  dev["recall_keys"], dev["recall_values"])
         return Selection(dev["recall_keys"][:, :, : k + 1], dev["recall_values"][:, :, : k + 1], bias)
 
@@ -571,8 +570,9 @@ class SeKV(RecallableMethod):
             # one compiled call on CPU tensors (native/select.cpp); the torch path on any other device
             if native.usable(query):
                 idx = self._pick_native(memory, query, n, m, k)
-                if self._recall_natively(memory):
-                    return self._recall_native(memory, idx)
+                sel = self._recall_native(memory, idx)
+                if sel is not None:
+                    return sel
             else:
                 idx = self._pick(memory, query, n, m, k)
         valid = host_valid(memory)

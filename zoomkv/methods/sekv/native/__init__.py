@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from zoomkv.memory.quant import QuantizedRowBuffer
+from zoomkv.memory.tiers import RowBuffer
+
 SOURCE = Path(__file__).with_name("select.cpp")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -190,9 +193,6 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
 def host_rows(buf: Any) -> list | None:
     """A host-tier row buffer as ``zk_sekv_recall`` reads it (float32 rows, or int8/int4 codes with their
     scales and minimums), or None when it cannot (another dtype, a padded int4 width, a low-rank tier)."""
-    from zoomkv.memory.quant import QuantizedRowBuffer
-    from zoomkv.memory.tiers import RowBuffer
-
     if type(buf) is RowBuffer:
         data = buf.data
         ok = data.dtype == torch.float32 and data.is_contiguous() and data.device.type == "cpu"
