@@ -141,3 +141,72 @@ def test_a_decode_step_decodes_only_the_rows_it_gathers(method, monkeypatch, tmp
     assert decoded and len(decoded) <= 2 * zoom * 2  # keys and values, a method may gather twice
     # before, every gather decoded all n rows; clusterkv also decodes the members of the cluster it cuts
     assert max(decoded) <= (n // 2 if method == "clusterkv" else 2 * budget) < n
+
+
+FORMATS = ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "int2o4"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("role", ["keys", "values"])
+def test_every_format_gathers_the_rows_its_view_decodes_and_counts_its_bytes(name, role):
+    from zoomkv.memory.quant import row_buffer
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 1000, 64)
+    spec = QuantSpec.parse(name)
+    assert spec.name == name
+    buf = row_buffer(x[:, :, :990], spec.for_rows(role))
+    for i in range(990, 1000):  # decoding appends one row at a time: KIVI's open block fills and is coded
+        buf.append(x[:, :, i:i + 1])
+    view = buf.view()
+    assert view.shape == x.shape and buf.length == 1000
+    idx = torch.randint(0, 1000, (2, 3, 17))
+    assert torch.equal(buf.gather(idx), view.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
+    q = spec.for_rows(role)
+    err = float((view - x).norm() / x.norm())
+    assert err < {8: 0.01, 4: 0.12, 2: 0.5}[q.bits]
+    held = q.bits + 32 / q.group_size + (16 * q.outliers / 64 if role == "keys" else 0)
+    # the bytes really held: codes, fp16 scales and minimums, exact channels; plus the room grown for appends
+    # (128 rows) and KIVI's open block (8 exact rows here)
+    assert held / 32 <= buf.nbytes / x.nbytes <= held / 32 * 1.25
+
+
+def test_kivi_keys_hold_outlier_channels_better_than_per_token_groups():
+    """KIVI's reason for per-channel keys: a few channels of every key are large, and a per-token group
+    containing one spends its levels on it."""
+    from zoomkv.memory.quant import row_buffer
+
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 512, 64)
+    keys[..., [3, 40]] += 12.0  # fixed outlier channels, as in real keys
+    errs = {}
+    for name in ("int2", "kivi2", "int2o4"):
+        view = row_buffer(keys, QuantSpec.parse(name).for_rows("keys")).view()
+        errs[name] = float((view - keys).norm() / keys.norm())
+    assert errs["kivi2"] < errs["int2"] / 2 and errs["int2o4"] < errs["int2"] / 2
+
+
+def test_exact_channels_and_kivis_open_block_stay_exact():
+    from zoomkv.memory.quant import row_buffer
+
+    torch.manual_seed(1)
+    keys = torch.randn(1, 2, 100, 64)
+    keys[..., 7] *= 30
+    buf = row_buffer(keys, QuantSpec.parse("int2o1").for_rows("keys"))
+    assert torch.equal(buf.view()[..., 7], keys[..., 7].half().float())
+    kivi = row_buffer(keys, QuantSpec.parse("kivi2").for_rows("keys"))
+    assert torch.equal(kivi.view()[:, :, 96:], keys[:, :, 96:])  # 100 = 3 blocks of 32 + 4 rows not yet coded
+
+
+@pytest.mark.parametrize("bad", ["int3", "kivi2o4", "k4v", "int2o", "int16"])
+def test_unknown_formats_are_refused(bad):
+    with pytest.raises(ConfigError):
+        QuantSpec.parse(bad)
+
+
+def test_a_fitted_pattern_sets_each_layers_bits():
+    spec = QuantSpec(bits=4, layers=((8, 4), (4, 2)), fitted="fit25")
+    assert spec.for_rows("keys", 0).bits == 8 and spec.for_rows("values", 1).bits == 2
+    assert spec.name == "fit25"
+    with pytest.raises(ConfigError):
+        QuantSpec(layers=((8, 3),))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zoomkv.errors import ZoomKVError
+from zoomkv.memory.quant import FORMATS_HELP, is_format
 
 __all__ = ["add_loudness", "add_run_arguments", "int_option", "parse_method_args", "parse_run_method_args",
            "parse_scoped_method_args", "parse_value", "run_from_args", "runs_from_args"]
@@ -112,6 +113,12 @@ def parse_run_method_args(items: list[str] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _kv_format(text: str) -> str:
+    if text != "none" and not is_format(text):
+        raise argparse.ArgumentTypeError(f"unknown KV quantization {text!r}; valid: {FORMATS_HELP}, none")
+    return text
+
+
 def _nonempty(what: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if not text.strip():
@@ -147,9 +154,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, several: bool, methods
     parser.add_argument("--tail-summary", action="store_true",
                         help="+tail on every run named: one mean row (log-count bias) for every row not selected "
                              "(recallable methods; one of the B rows)")
-    parser.add_argument("--kv-quant", choices=["none", "int8", "int4"], default=None,
-                        help="+int8 / +int4 on every run named: the host tier as int8/int4 codes with per-group "
-                             "fp16 scales (full, which has no host tier: its device tier)")
+    parser.add_argument("--kv-quant", type=_kv_format, default=None, metavar="FORMAT",
+                        help=f"+FORMAT on every run named: the host tier as codes with fp16 scales ({FORMATS_HELP}; "
+                             "none) (full, which has no host tier: its device tier)")
     parser.add_argument("--kv-quant-tiers", choices=["host", "all"], default=None,
                         help="where --kv-quant quantizes: host (methods with a budget) or all (full, the default "
                              "there); the other choice is refused")

@@ -1,19 +1,21 @@
 """One grammar for what a command runs. ``generate``, ``chat``, ``bench`` and ``eval`` take the same flags and the
 same ``+variant`` suffixes; this module parses them, once, into ``RunSpec``s (a label and a ``CacheSpec``):
 
-    --method(s) METHOD[+tail][+int8|+int4][,...]   registered methods (``zoomkv methods``)
-    --adapter DIR_OR_HUB_ID[+tail][+int8|+int4]    a trained adapter: its method, run with its modules
+    --method(s) METHOD[+tail][+FORMAT][,...]   registered methods (``zoomkv methods``)
+    --adapter DIR_OR_HUB_ID[+tail][+FORMAT]    a trained adapter: its method, run with its modules
     --budget(s) B[,...]          rows (512) or a fraction of the prompt (0.1); an adapter's own when none
     --tail-summary               +tail on every run the command names
-    --kv-quant int8|int4         +int8 / +int4 on every run the command names
+    --kv-quant FORMAT            +FORMAT on every run the command names
     --kv-quant-tiers host|all    where +int8 / +int4 quantize: by default the host tier, or the device tier of a
                                  method that keeps everything there (full); anything else is refused
     --method-arg KEY=V           a hyper-parameter of every run the command names; METHOD.KEY=V of that
                                  method's runs only (its adapters' too)
     --prefill-chunk N            the prompt goes through in pieces of N tokens, compressed as they go
 
-``+tail`` adds the softmax tail's row (recallable methods; it is one of the B rows); ``+int8`` / ``+int4`` hold
-the host tier as int8 / int4 codes. ``eval`` and ``bench`` run ``full`` first as their reference: flags and
+``+tail`` adds the softmax tail's row (recallable methods; it is one of the B rows); ``+FORMAT`` holds the host
+tier as codes (``zoomkv.memory.quant``: ``int8``, ``int4``, ``int2``, ``k4v2``, ``kivi4``, ``kivi2``, ``int2o4``).
+An adapter whose training fitted a host format runs with it unless a ``+FORMAT`` or ``host_format=none``
+(``--method-arg``) says otherwise. ``eval`` and ``bench`` run ``full`` first as their reference: flags and
 unscoped hyper-parameters apply to the runs the command names, not to that reference. ``generate`` and
 ``chat`` run one configuration: one method or one adapter, one budget.
 
@@ -32,13 +34,13 @@ from typing import Any
 
 from zoomkv.budget import Budget
 from zoomkv.errors import ZoomKVError
+from zoomkv.memory.quant import FORMATS_HELP, is_format
 from zoomkv.memory.spec import CacheSpec, TrainedModules, quant_spec
 from zoomkv.protocol.method import KVMethod
 from zoomkv.protocol.registry import get_method
 
-# The suffixes any method or adapter can carry: the softmax tail, KV quantization of the host tier.
-VARIANTS = ("tail", "int8", "int4")
-QUANT_VARIANTS = ("int8", "int4")
+# The suffixes any method or adapter can carry: the softmax tail, a KV quantization format of the host tier.
+TAIL = "tail"
 ALL_METHODS = "*"  # the scope of an unscoped --method-arg (KEY=V): every run the command names
 REFERENCE = "full"  # eval's and bench's reference run
 
@@ -62,7 +64,7 @@ def trailing_variants(label: str) -> tuple[str, list[str]]:
     """``"DIR+int8"`` → ``("DIR", ["int8"])``: the known variants at the end of an adapter's folder or Hub id
     (or of its row label), so a folder whose own name holds a ``+`` keeps it."""
     base, variants = label, []
-    while "+" in base and base.rsplit("+", 1)[1] in VARIANTS:
+    while "+" in base and is_variant(base.rsplit("+", 1)[1]):
         base, v = base.rsplit("+", 1)
         variants.insert(0, v)
     return base, variants
@@ -72,11 +74,16 @@ def split_variants(label: str) -> tuple[str, list[str]]:
     """``"quest+tail+int8"`` → ``("quest", ["tail", "int8"])``; an unknown, repeated or clashing suffix is refused."""
     base, *variants = label.split("+")
     for v in variants:
-        if v not in VARIANTS:
-            raise ZoomKVError(f"unknown method variant '+{v}' in {label!r}; valid: {', '.join('+' + x for x in VARIANTS)}")
-    if len(set(variants)) < len(variants) or len([v for v in variants if v in QUANT_VARIANTS]) > 1:
-        raise ZoomKVError(f"{label!r}: each variant at most once, and one quantization (+int8 or +int4)")
+        if not is_variant(v):
+            raise ZoomKVError(f"unknown method variant '+{v}' in {label!r}; valid: +tail, +FORMAT ({FORMATS_HELP})")
+    if len(set(variants)) < len(variants) or len([v for v in variants if is_format(v)]) > 1:
+        raise ZoomKVError(f"{label!r}: each variant at most once, and one quantization (+int8, +int4, ...)")
     return base, variants
+
+
+def is_variant(text: str) -> bool:
+    """``tail`` or a quantization format (``int8``, ``k4v2``, ``kivi2``, ...)."""
+    return text == TAIL or is_format(text)
 
 
 def adapter_label(adapter: Any, source: str) -> str:
@@ -104,7 +111,7 @@ def parse_runs(methods: Sequence[str] = (), adapters: Sequence[str] = (), budget
     budgets when none is given (bench's 256)."""
     labels = list(dict.fromkeys(m.strip() for m in methods if m.strip()))
     scoped = {k: dict(v) for k, v in (method_args or {}).items()}
-    flags = (["tail"] if tail_summary else []) + ([kv_quant] if kv_quant not in (None, "", "none") else [])
+    flags = ([TAIL] if tail_summary else []) + ([kv_quant] if kv_quant not in (None, "", "none") else [])
     parsed = _budgets(budgets)
     runs: list[RunSpec] = []
     if reference:
@@ -196,7 +203,7 @@ def _with_flags(label: str, variants: list[str], flags: list[str]) -> tuple[str,
     for flag in flags:
         if flag in variants:
             continue
-        if flag in QUANT_VARIANTS and any(v in QUANT_VARIANTS for v in variants):
+        if is_format(flag) and any(is_format(v) for v in variants):
             raise ZoomKVError(f"--kv-quant {flag} and the variant of {label!r} ask for two quantizations")
         label, variants = f"{label}+{flag}", [*variants, flag]
     return label, variants
@@ -204,8 +211,8 @@ def _with_flags(label: str, variants: list[str], flags: list[str]) -> tuple[str,
 
 def _cache(method: KVMethod, budget: Budget | None, variants: list[str], tiers: str | None,
            prefill_chunk: int | None, trained: TrainedModules | None = None) -> CacheSpec:
-    quant = next((v for v in variants if v in QUANT_VARIANTS), None)
-    return CacheSpec(method, budget, "tail" in variants, quant_spec(method, quant, tiers), prefill_chunk, trained)
+    quant = next((v for v in variants if is_format(v)), None)
+    return CacheSpec(method, budget, TAIL in variants, quant_spec(method, quant, tiers), prefill_chunk, trained)
 
 
 def with_prefill_chunk(run: RunSpec, chunk: int | None) -> RunSpec:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from zoomkv.memory.quant import QuantizedRowBuffer
+from zoomkv.memory.quant import row_buffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
 
@@ -111,23 +111,25 @@ class LayerMemory(CacheLayerMixin):
         out.copy_(tensor)
         return out
 
-    def host_rows(self, tensor: torch.Tensor, quantize: bool = True) -> RowBuffer:
-        """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``); int8/int4 codes
-        when the cache quantizes KV (masks and other non-float tensors are never quantized, nor rows a method
-        stores with ``quantize=False``: its own codes' scales, which are not KV)."""
+    def host_rows(self, tensor: torch.Tensor, quantize: bool = True, role: str = "rows") -> RowBuffer:
+        """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``); codes when the cache
+        quantizes KV, coded as the format says for ``role`` (``"keys"``, ``"values"``, or other ``"rows"``) of
+        this layer (masks and other non-float tensors are never quantized, nor rows a method stores with
+        ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
         if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
-            return QuantizedRowBuffer(self.to_host(tensor), spec, pinned=self.pin_host)
+            return row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host)
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
 
     @property
     def quantize_device(self) -> bool:
         return self.cache.kv_quant is not None and self.cache.kv_quant.tiers == "all"
 
-    def device_rows_buffer(self, tensor: torch.Tensor) -> RowBuffer:
-        """Device-tier rows that grow while decoding, quantized when the cache quantizes every tier."""
+    def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows") -> RowBuffer:
+        """Device-tier rows that grow while decoding, quantized (as ``role``, keys or values) when the cache
+        quantizes every tier."""
         if self.quantize_device:
-            return QuantizedRowBuffer(tensor, self.cache.kv_quant)
+            return row_buffer(tensor, self.cache.kv_quant.for_rows(role, self.layer_idx))
         return RowBuffer(tensor)
 
     def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,16 +1,27 @@
-"""KV quantization: rows stored as int8 or int4 codes with a per-group fp16 scale and minimum.
+"""KV quantization: rows held as 8-, 4- or 2-bit codes with fp16 scales and minimums, decoded only when read.
 
-Asymmetric, per group of ``group_size`` channels of each row (KIVI-style per-token grouping, which is
-what lets rows be appended one at a time while decoding). int4 codes are packed two to a byte, so the
-bytes counted in the memory report are the bytes really held: codes + scales + minimums.
+Two layouts, as the published training-free schemes hold them:
+
+- **per token** (``int8`` / ``int4`` / ``int2``): asymmetric, per group of ``group_size`` channels of each row,
+  so rows can be appended one at a time while decoding. ``k4v2`` gives keys and values their own width;
+  ``o4`` (``int2o4``) keeps the 4 key channels of largest magnitude of each KV head exact (fp16, chosen at
+  prefill), the outliers that otherwise stretch every group they fall in;
+- **per channel for keys** (``kivi4`` / ``kivi2``, KIVI's layout, Liu et al. 2024): each key channel
+  quantized over blocks of ``group_size`` tokens, because key outliers sit in fixed channels; values per
+  token. The newest rows that do not fill a block yet stay exact until they do (KIVI keeps 128; here < 32).
+
+A fitted pattern (``QuantSpec.layers``: one ``(key bits, value bits)`` per model layer, what a trained
+adapter's host budget chose) sets the width layer by layer. Codes are packed 8 / bits to a byte, so the bytes
+the memory report counts are the bytes really held: codes, scales, minimums, exact channels and rows.
 
 Why not transformers' ``QuantizedLayer`` (quanto/HQQ backends): it quantizes a whole layer's cache and
-dequantizes all of it at every step, supports only 2/4 bits with quanto, and knows nothing of tiers.
-Here a recallable method's host tier stays quantized and only the rows a step needs are dequantized.
+dequantizes all of it at every step and knows nothing of tiers. Here a recallable method's host tier stays
+quantized and only the rows a step needs are decoded.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,87 +29,221 @@ import torch
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
 
+BITS = (8, 4, 2)
+LAYOUTS = ("token", "channel")
+ROLES = ("keys", "values", "rows")  # "rows": other floating rows of the host tier (coordinates, exact copies)
+_NAME = re.compile(r"(?:int(?P<both>[248])|k(?P<k>[248])v(?P<v>[248])|kivi(?P<kivi>[248]))(?:o(?P<o>[0-9]{1,3}))?")
+FORMATS_HELP = "int8, int4, int2, kKvV (k4v2: keys 4 bits, values 2), kivi4, kivi2; oN: N exact key channels (int2o4)"
+
+
+def is_format(text: str) -> bool:
+    """Whether ``text`` names a quantization format (the ``+int8`` ... suffixes of the run grammar)."""
+    return _NAME.fullmatch(str(text)) is not None
+
+
+@dataclass(frozen=True)
+class RowQuant:
+    """How one row buffer is coded: the bits, the layout, the group (channels a scale covers per token, or
+    tokens a channel's scale covers), exact key channels."""
+
+    bits: int
+    group_size: int = 32
+    layout: str = "token"
+    outliers: int = 0
+
 
 @dataclass(frozen=True)
 class QuantSpec:
-    bits: int = 8  # 8 or 4
-    group_size: int = 32  # channels per scale; must divide head_dim
+    bits: int = 8  # the values' bits, and the keys' unless key_bits says otherwise
+    group_size: int = 32  # channels per scale (per token), or tokens per scale (per channel)
     tiers: str = "host"  # "host": quantize the host tier; "all": the device tier's stored rows too
+    key_bits: int | None = None
+    key_layout: str = "token"  # "channel": KIVI's per-channel keys
+    outliers: int = 0  # key channels per KV head kept exact
+    layers: tuple[tuple[int, int], ...] = ()  # a fitted pattern: (key bits, value bits) per model layer
+    fitted: str = ""  # what tables call a fitted pattern ("fit25")
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ConfigError(f"KV quantization supports 8 or 4 bits, got {self.bits}")
+        for b in (self.bits, self.key_bits if self.key_bits is not None else self.bits, *sum(self.layers, ())):
+            if b not in BITS:
+                raise ConfigError(f"KV quantization supports {', '.join(map(str, BITS))} bits, got {b}")
         if self.group_size < 2 or self.group_size % 2:
             raise ConfigError(f"quantization group size must be an even number >= 2, got {self.group_size}")
         if self.tiers not in ("host", "all"):
             raise ConfigError(f"quantized tiers must be 'host' or 'all', got {self.tiers!r}")
+        if self.key_layout not in LAYOUTS:
+            raise ConfigError(f"key layout must be one of {LAYOUTS}, got {self.key_layout!r}")
+        if not 0 <= self.outliers <= 256:
+            raise ConfigError(f"exact key channels must be between 0 and 256, got {self.outliers}")
 
     @classmethod
     def parse(cls, text: str | None, tiers: str = "host", group_size: int = 32) -> QuantSpec | None:
-        """``"int8"`` / ``"int4"`` / ``None``."""
+        """``"int8"`` / ``"k4v2"`` / ``"kivi2"`` / ``"int2o4"`` / ``None`` (see ``FORMATS_HELP``)."""
         if text is None or text in ("", "none", "fp", "off"):
             return None
-        table = {"int8": 8, "8": 8, "int4": 4, "4": 4}
-        if str(text) not in table:
-            raise ConfigError(f"unknown KV quantization {text!r}; valid: int8, int4, none")
-        return cls(bits=table[str(text)], group_size=group_size, tiers=tiers)
+        text = {"8": "int8", "4": "int4"}.get(str(text), str(text))
+        m = _NAME.fullmatch(text)
+        if m is None:
+            raise ConfigError(f"unknown KV quantization {text!r}; valid: {FORMATS_HELP}, none")
+        bits = int(m["both"] or m["v"] or m["kivi"])
+        key_bits = int(m["k"]) if m["k"] else None
+        if m["kivi"] and m["o"]:
+            raise ConfigError(f"{text!r}: KIVI's per-channel keys already give each channel its own scale; exact "
+                              "channels (oN) go with the per-token formats (int2o4)")
+        return cls(bits=bits, group_size=group_size, tiers=tiers, key_bits=key_bits,
+                   key_layout="channel" if m["kivi"] else "token", outliers=int(m["o"] or 0))
+
+    @property
+    def name(self) -> str:
+        """The format as the run grammar writes it (``int8``, ``k4v2``, ``kivi2``, ``int2o4``; a pattern's
+        ``fitted`` name)."""
+        if self.layers:
+            return self.fitted or "fitted"
+        kb = self.bits if self.key_bits is None else self.key_bits
+        if self.key_layout == "channel":
+            base = f"kivi{self.bits}" if kb == self.bits else f"kivi-k{kb}v{self.bits}"
+        else:
+            base = f"int{self.bits}" if kb == self.bits else f"k{kb}v{self.bits}"
+        return base + (f"o{self.outliers}" if self.outliers else "")
+
+    def for_rows(self, role: str = "rows", layer: int | None = None) -> RowQuant:
+        """The coding of one buffer: ``role`` keys, values or other rows, of model layer ``layer``."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        kb = self.bits if self.key_bits is None else self.key_bits
+        vb = self.bits
+        if self.layers and layer is not None and layer < len(self.layers):
+            kb, vb = self.layers[layer]
+        if role == "keys":
+            return RowQuant(kb, self.group_size, self.key_layout, self.outliers)
+        return RowQuant(vb, self.group_size)
+
+    def bits_per_value(self, role: str, layer: int | None = None) -> float:
+        """Bits held per channel of a row, scales and minimums included (exact channels and rows not)."""
+        q = self.for_rows(role, layer)
+        return q.bits + 32 / q.group_size
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` ``[..., d]`` → (codes uint8 ``[..., d or d/2]``, scale fp16 ``[..., d/g]``, minimum fp16 ``[..., d/g]``)."""
-    d = x.shape[-1]
-    group_size = min(group_size, d)  # small heads: one group per row
-    if d % group_size:
-        raise ConfigError(f"quantization group size {group_size} does not divide head_dim {d}")
-    groups = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
-    lo = groups.amin(dim=-1, keepdim=True).half()
-    hi = groups.amax(dim=-1, keepdim=True)
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., d]`` (each < 2**bits) → ``[..., d·bits/8]``: code ``i`` of a byte in bits ``i·bits``
+    upward (int4: the even channel in the low nibble)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    out = codes[..., 0::per].clone()
+    for j in range(1, per):
+        out |= codes[..., j::per] << (bits * j)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return packed
+    out = torch.empty(*packed.shape[:-1], packed.shape[-1] * per, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    for j in range(per):
+        out[..., j::per] = (packed >> (bits * j)) & mask
+    return out
+
+
+def _codes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` between fp16-rounded ``lo`` and ``hi`` (broadcast), and the fp16 scale."""
     levels = (1 << bits) - 1
     # Scale and minimum are stored in fp16: quantize against the rounded values so the bound holds.
     scale = ((hi - lo.float()) / levels).clamp_min(1e-8).half()
-    codes = ((groups - lo.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
-    codes = codes.reshape(*x.shape[:-1], d)
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return codes, scale.squeeze(-1), lo.squeeze(-1)
+    codes = ((x - lo.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., d]`` → (codes uint8 ``[..., d·bits/8]``, scale fp16 ``[..., d/g]``, minimum fp16 ``[..., d/g]``),
+    per token, ``group_size`` channels a scale."""
+    d = x.shape[-1]
+    group_size = min(group_size, d)  # small heads: one group per row
+    if d % group_size or d % (8 // bits):
+        raise ConfigError(f"quantization group size {group_size} (or {bits}-bit packing) does not divide {d}")
+    groups = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    lo = groups.amin(dim=-1, keepdim=True).half()
+    codes, scale = _codes(groups, lo, groups.amax(dim=-1, keepdim=True), bits)
+    return pack(codes.reshape(*x.shape[:-1], d), bits), scale.squeeze(-1), lo.squeeze(-1)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    if bits == 4:
-        unpacked = torch.empty(*codes.shape[:-1], codes.shape[-1] * 2, dtype=torch.uint8, device=codes.device)
-        unpacked[..., 0::2] = codes & 0x0F
-        unpacked[..., 1::2] = codes >> 4
-        codes = unpacked
+    codes = unpack(codes, bits)
     n_groups = scale.shape[-1]
     groups = codes.reshape(*codes.shape[:-1], n_groups, codes.shape[-1] // n_groups).float()  # 0 rows too
     out = groups * scale.float()[..., None] + lo.float()[..., None]
     return out.reshape(*codes.shape).to(dtype)
 
 
+def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block of rows ``x`` ``[b, h, G, d]`` → (codes ``[b, h, G, d·bits/8]``, scale and minimum fp16
+    ``[b, h, 1, d]``): each channel over the block's ``G`` tokens (KIVI's key layout)."""
+    xf = x.float()
+    lo = xf.amin(dim=2, keepdim=True).half()
+    codes, scale = _codes(xf, lo, xf.amax(dim=2, keepdim=True), bits)
+    return pack(codes, bits), scale, lo
+
+
+def row_buffer(data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False) -> RowBuffer:
+    """A quantized buffer for rows ``data`` ``[b, h, n, d]``: per channel (``ChannelQuantizedRowBuffer``) or
+    per token (``QuantizedRowBuffer``), as ``spec`` says."""
+    q = spec.for_rows() if isinstance(spec, QuantSpec) else spec
+    if q.layout == "channel":
+        return ChannelQuantizedRowBuffer(data, q, pinned=pinned)
+    return QuantizedRowBuffer(data, q, pinned=pinned)
+
+
 class QuantizedRowBuffer(RowBuffer):
-    """A ``RowBuffer`` whose rows are held as int8/int4 codes; ``view()`` returns dequantized rows.
+    """A ``RowBuffer`` whose rows are held as codes per token; ``view()`` returns dequantized rows.
 
-    Rows of any width: KV rows (``head_dim``) are grouped ``spec.group_size`` channels at a time; a width the
+    Rows of any width: KV rows (``head_dim``) are grouped ``group_size`` channels at a time; a width the
     group does not divide (a rank-gated host tier's coordinates, say 19 of 64 directions) is one group a row,
-    and int4 pads an odd width with one more column (two codes share a byte), cut off again by ``view()``."""
+    and a width the packing does not divide is padded (the pad repeats the row's last value), cut off again by
+    ``view()``. With ``outliers``, that many channels of each KV head (the largest in magnitude of the first
+    rows) are held exact in fp16 beside the codes."""
 
-    def __init__(self, data: torch.Tensor, spec: QuantSpec, *, pinned: bool = False):
-        self.spec = spec
+    def __init__(self, data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False):
+        self.spec = spec.for_rows() if isinstance(spec, QuantSpec) else spec
+        self.bits = self.spec.bits
         self.dtype = data.dtype
         self.width = data.shape[-1]
-        self.pad = spec.bits == 4 and self.width % 2 == 1
+        self.pad = -self.width % (8 // self.bits)
         width = self.width + self.pad
-        self.group = spec.group_size if width % min(spec.group_size, width) == 0 else width
-        codes, scale, lo = quantize(self._padded(data), spec.bits, self.group)
+        self.group = self.spec.group_size if width % min(self.spec.group_size, width) == 0 else width
+        self.outlier_idx: torch.Tensor | None = None
+        self.exact: RowBuffer | None = None
+        if self.spec.outliers and data.shape[2]:
+            o = min(self.spec.outliers, self.width)
+            self.outlier_idx = data.abs().amax(2, keepdim=True).topk(o, -1).indices.sort(-1).values  # [b, h, 1, o]
+            self.exact = RowBuffer(self._outlier_values(data), pinned=pinned)
+        codes, scale, lo = quantize(self._prepared(data), self.bits, self.group)
         self.codes = RowBuffer(codes, pinned=pinned)
         self.scale = RowBuffer(scale, pinned=pinned)
         self.lo = RowBuffer(lo, pinned=pinned)
         self.pinned = self.codes.pinned
         self.length = data.shape[2]
 
-    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
-        # the pad column repeats the row's last value, so it never widens the group's range
-        return torch.cat([rows, rows[..., -1:]], -1) if self.pad else rows
+    def _outlier_values(self, rows: torch.Tensor) -> torch.Tensor:
+        at = self.outlier_idx.expand(-1, -1, rows.shape[2], -1)
+        return rows.gather(-1, at).half()
+
+    def _prepared(self, rows: torch.Tensor) -> torch.Tensor:
+        """What is coded: the exact channels replaced by their group's least other value (so they no longer
+        stretch its range), and the pad columns."""
+        if self.outlier_idx is not None:
+            mask = torch.zeros(*rows.shape[:2], 1, self.width, dtype=torch.bool, device=rows.device)
+            mask.scatter_(-1, self.outlier_idx, True)
+            group = self.group if self.width % self.group == 0 else self.width
+            shape = (*rows.shape[:-1], self.width // group, group)
+            others = rows.float().reshape(shape).masked_fill(mask.reshape(*mask.shape[:-1], -1, group), float("inf"))
+            fill = others.amin(-1, keepdim=True)
+            fill = torch.where(fill.isinf(), torch.zeros_like(fill), fill).expand(shape).reshape(rows.shape)
+            rows = torch.where(mask, fill.to(rows.dtype), rows)
+        if self.pad:
+            rows = torch.cat([rows, rows[..., -1:].expand(*rows.shape[:-1], self.pad)], -1)
+        return rows
 
     @property
     def data(self) -> torch.Tensor:  # the codes: what a RowBuffer's "data" means for shape/capacity
@@ -110,27 +255,129 @@ class QuantizedRowBuffer(RowBuffer):
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.lo.nbytes
+        extra = 0 if self.exact is None else self.exact.nbytes + self.outlier_idx.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.lo.nbytes + extra
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes.data, self.scale.data, self.lo.data]
+        extra = [] if self.exact is None else [self.exact.data, self.outlier_idx]
+        return [self.codes.data, self.scale.data, self.lo.data, *extra]
 
     def append(self, rows: torch.Tensor) -> None:
-        codes, scale, lo = quantize(self._padded(rows), self.spec.bits, self.group)
+        if self.exact is not None:
+            self.exact.append(self._outlier_values(rows).to(self.exact.data.device))
+        codes, scale, lo = quantize(self._prepared(rows), self.bits, self.group)
         self.codes.append(codes.to(self.codes.data.device))
         self.scale.append(scale.to(self.scale.data.device))
         self.lo.append(lo.to(self.lo.data.device))
         self.length += rows.shape[2]
 
     def view(self) -> torch.Tensor:
-        return self._decoded(self.codes.view(), self.scale.view(), self.lo.view())
+        return self._decoded(self.codes.view(), self.scale.view(), self.lo.view(),
+                             None if self.exact is None else self.exact.view())
 
     def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
         """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held)."""
         if idx is None:
             return self.view()
-        return self._decoded(self.codes.gather(idx), self.scale.gather(idx), self.lo.gather(idx))
+        return self._decoded(self.codes.gather(idx), self.scale.gather(idx), self.lo.gather(idx),
+                             None if self.exact is None else self.exact.gather(idx))
 
-    def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(codes, scale, lo, self.spec.bits, self.dtype)
-        return rows[..., : self.width] if self.pad else rows
+    def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                 exact: torch.Tensor | None) -> torch.Tensor:
+        rows = dequantize(codes, scale, lo, self.bits, self.dtype)
+        rows = rows[..., : self.width] if self.pad else rows
+        if exact is not None:
+            at = self.outlier_idx.to(rows.device).expand(-1, -1, rows.shape[2], -1)
+            rows = rows.scatter(-1, at, exact.to(rows.dtype))
+        return rows
+
+
+class ChannelQuantizedRowBuffer(RowBuffer):
+    """Rows quantized per channel over blocks of ``group_size`` tokens (KIVI's key layout): codes per row,
+    one fp16 scale and minimum per block and channel. The newest rows that do not fill a block are held exact
+    (``residual``) until they do; then the block is coded and they go. Only the rows gathered are decoded."""
+
+    def __init__(self, data: torch.Tensor, spec: RowQuant, *, pinned: bool = False):
+        self.spec = spec
+        self.bits = spec.bits
+        self.block = spec.group_size
+        self.dtype = data.dtype
+        self.width = data.shape[-1]
+        if self.width % (8 // self.bits):
+            raise ConfigError(f"{self.bits}-bit packing does not divide rows {self.width} wide")
+        b, h, n, d = data.shape
+        full = n - n % self.block
+        codes, scale, lo = self._blocks(data[:, :, :full])
+        self.codes = RowBuffer(codes, pinned=pinned)
+        self.scale = RowBuffer(scale, pinned=pinned)  # [b, h, blocks, d]
+        self.lo = RowBuffer(lo, pinned=pinned)
+        self.scale.GROW_ROWS = self.lo.GROW_ROWS = max(1, RowBuffer.GROW_ROWS // self.block)  # blocks, not rows
+        self.pinned = self.codes.pinned
+        self.residual = data[:, :, full:].contiguous()  # < block rows: a plain tensor, no room to grow into
+
+    def _blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, h, n, d = rows.shape
+        blocks = n // self.block
+        codes, scale, lo = quantize_channels(rows.reshape(b, h * blocks, self.block, d), self.bits)
+        return (codes.reshape(b, h, n, -1), scale.reshape(b, h, blocks, d), lo.reshape(b, h, blocks, d))
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        return self.codes.length + self.residual.shape[2]
+
+    @length.setter
+    def length(self, value: int) -> None:  # RowBuffer's constructor sets it; the parts count it here
+        pass
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.codes.data
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.capacity + self.residual.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.lo.nbytes + self.residual.nbytes
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes.data, self.scale.data, self.lo.data, self.residual]
+
+    def append(self, rows: torch.Tensor) -> None:
+        pending = torch.cat([self.residual, rows.to(self.residual.device, self.residual.dtype)], 2)
+        full = pending.shape[2] - pending.shape[2] % self.block
+        if full:
+            codes, scale, lo = self._blocks(pending[:, :, :full])
+            self.codes.append(codes)
+            self.scale.append(scale)
+            self.lo.append(lo)
+        self.residual = pending[:, :, full:].contiguous()
+
+    def view(self) -> torch.Tensor:
+        n = self.codes.length
+        return torch.cat([self._decoded(self.codes.view(), torch.arange(n, device=self.codes.data.device)),
+                          self.residual.to(self.dtype)], 2)
+
+    def _decoded(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Codes ``[b, h, k, ·]`` of rows ``rows`` (``[k]`` or ``[b, h, k]``) decoded with their blocks' scales."""
+        block = (rows // self.block).expand(*codes.shape[:3]) if rows.dim() == 1 else rows // self.block
+        at = block[..., None].expand(-1, -1, -1, self.width)
+        scale = self.scale.view().gather(2, at).float()
+        lo = self.lo.view().gather(2, at).float()
+        return (unpack(codes, self.bits).float() * scale + lo).to(self.dtype)
+
+    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
+        if idx is None:
+            return self.view()
+        idx = idx.to(self.codes.data.device).expand(self.codes.data.shape[0], self.codes.data.shape[1], -1)
+        n, r = self.codes.length, self.residual.shape[2]
+        parts = []
+        if n:
+            parts.append(self._decoded(self.codes.gather(idx.clamp(max=n - 1)), idx.clamp(max=n - 1)))
+        if r:
+            at = (idx - n).clamp(0, r - 1)[..., None].expand(-1, -1, -1, self.width)
+            parts.append(self.residual.gather(2, at).to(self.dtype))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.where((idx < n)[..., None], parts[0], parts[1])

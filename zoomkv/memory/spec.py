@@ -129,8 +129,16 @@ class CacheSpec:
                         "the budget %s holds no layer and the cache is as large as full KV", self.method.name,
                         len(compat.layer_types(config)), _dense_hint(self.method), self.budget)
         head_dim = compat.head_dim(config)
-        if self.kv_quant is not None and head_dim % min(self.kv_quant.group_size, head_dim):
-            raise ConfigError(f"quantization group size {self.kv_quant.group_size} does not divide head_dim {head_dim}")
+        quant = self.kv_quant
+        if quant is not None and head_dim % min(quant.group_size, head_dim):
+            raise ConfigError(f"quantization group size {quant.group_size} does not divide head_dim {head_dim}")
+        if quant is not None and quant.outliers >= head_dim:
+            raise ConfigError(f"{quant.name} keeps {quant.outliers} exact key channels of a {head_dim}-channel head: "
+                              "fewer than head_dim")
+        layers = len(compat.layer_types(config))
+        if quant is not None and quant.layers and len(quant.layers) != layers:
+            raise ConfigError(f"the host format {quant.name} gives bits for {len(quant.layers)} layers; the model has "
+                              f"{layers}")
 
     def compressed_layers(self, model_or_config: Any) -> list[int]:
         """The model's layers this spec's method holds to the budget: full-attention layers it does not keep
@@ -143,7 +151,7 @@ class CacheSpec:
     @property
     def label(self) -> str:
         """The method and its variants as the command line writes them: ``quest+tail+int8``."""
-        quant = f"+int{self.kv_quant.bits}" if self.kv_quant is not None else ""
+        quant = f"+{self.kv_quant.name}" if self.kv_quant is not None else ""
         return self.method.name + ("+tail" if self.tail_summary else "") + quant
 
 

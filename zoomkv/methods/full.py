@@ -25,8 +25,8 @@ class Full(KVMethod):
 
     def compress(self, memory, ctx: PrefillContext) -> None:
         if memory.quantize_device:  # int8/int4 codes on the device tier, dequantized each step
-            memory.device_tier["keys"] = memory.device_rows_buffer(ctx.keys)
-            memory.device_tier["values"] = memory.device_rows_buffer(ctx.values)
+            memory.device_tier["keys"] = memory.device_rows_buffer(ctx.keys, role="keys")
+            memory.device_tier["values"] = memory.device_rows_buffer(ctx.values, role="values")
             return
         memory.device_tier["keys"] = ctx.keys
         memory.device_tier["values"] = ctx.values

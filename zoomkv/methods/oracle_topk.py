@@ -28,8 +28,8 @@ class OracleTopK(KVMethod):
     recallable = True
 
     def compress(self, memory, ctx: PrefillContext) -> None:
-        memory.host_tier["keys"] = memory.host_rows(ctx.keys)
-        memory.host_tier["values"] = memory.host_rows(ctx.values)
+        memory.host_tier["keys"] = memory.host_rows(ctx.keys, role="keys")
+        memory.host_tier["values"] = memory.host_rows(ctx.values, role="values")
         if ctx.valid is not None:
             memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
         memory.meta["budget"] = ctx.budget

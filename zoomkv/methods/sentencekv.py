@@ -143,8 +143,8 @@ class SentenceKV(KVMethod):
             idx, _ = snap.snap_selection(ctx, keep)
         keys = ctx.keys if idx is None else gather_rows(ctx.keys, idx)
         values = ctx.values if idx is None else gather_rows(ctx.values, idx)
-        memory.host_tier["keys"] = memory.host_rows(keys.contiguous())
-        memory.host_tier["values"] = memory.host_rows(values.contiguous())
+        memory.host_tier["keys"] = memory.host_rows(keys.contiguous(), role="keys")
+        memory.host_tier["values"] = memory.host_rows(values.contiguous(), role="values")
 
         ids = prompt_token_ids(ctx)
         boundary_ids = resolve_boundary_ids(cfg.boundary_token_ids, ctx.tokenizer, SENTENCE_MARKS)

@@ -48,8 +48,8 @@ def dense_select(memory: Memory) -> Selection:
 
 # -- the host tier: every row, so any of them can be recalled -------------------------------------------
 def store_host_rows(memory: Memory, ctx: PrefillContext) -> None:
-    memory.host_tier["keys"] = memory.host_rows(ctx.keys)
-    memory.host_tier["values"] = memory.host_rows(ctx.values)
+    memory.host_tier["keys"] = memory.host_rows(ctx.keys, role="keys")
+    memory.host_tier["values"] = memory.host_rows(ctx.values, role="values")
     if ctx.valid is not None:
         # [b, 1, n, 1] so it grows along the row axis like the keys do.
         memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])

@@ -333,7 +333,7 @@ class SeKV(RecallableMethod):
             key_mean = None
         for name, rows, mean, keep in (("keys", keys, key_mean, keep_k), ("values", ctx.values, None, keep_v)):
             if keep is None:
-                host[name] = memory.host_rows(getattr(ctx, name))
+                host[name] = memory.host_rows(getattr(ctx, name), role=name)
                 continue
             mean = masked_mean(rows.float(), fit) if mean is None or fit is not valid else mean
             directions = principal_directions(rows.float() - mean, fit)[:, :, keep.to(rows.device)]

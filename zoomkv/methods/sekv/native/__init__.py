@@ -198,10 +198,11 @@ def host_rows(buf: Any) -> list | None:
         ok = data.dtype == torch.float32 and data.is_contiguous() and data.device.type == "cpu"
         return [_ptr(data), data.shape[2], 0, None, None, 0] if ok else None
     group = min(getattr(buf, "group", 1), getattr(buf, "width", 0))  # quantize() takes one group a row on small heads
-    if type(buf) is QuantizedRowBuffer and buf.dtype == torch.float32 and not buf.pad and buf.width % group == 0:
+    if (type(buf) is QuantizedRowBuffer and buf.dtype == torch.float32 and not buf.pad and buf.width % group == 0
+            and buf.bits in (8, 4) and buf.exact is None):
         parts = (buf.codes.data, buf.scale.data, buf.lo.data)
         if all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
-            return [_ptr(parts[0]), parts[0].shape[2], buf.spec.bits, _ptr(parts[1]), _ptr(parts[2]), group]
+            return [_ptr(parts[0]), parts[0].shape[2], buf.bits, _ptr(parts[1]), _ptr(parts[2]), group]
     return None
 
 
