@@ -12,6 +12,7 @@ import torch
 
 from tests.helpers import greedy, load_tiny, max_logit_diff, padded_batch
 from zoomkv import ZoomCache
+from zoomkv.memory.quant import QuantSpec
 from zoomkv.methods import get_method
 from zoomkv.methods.sekv import native
 from zoomkv.methods.sekv.codes import encode, rotation
@@ -100,13 +101,19 @@ def test_native_router_at_head_dim_64(config, t):
         _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, 64, generator=g) * 2))
 
 
-@pytest.mark.parametrize("kv_quant", ["int8", "int4"])
+@pytest.mark.parametrize("kv_quant", ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "int2o4"])
 @pytest.mark.parametrize("d", [D, 64])
 def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d):
-    """sekv+int8 / +int4: the compiled recall decodes only the rows it gathers, as QuantizedRowBuffer.gather."""
+    """sekv+FORMAT: the compiled recall decodes only the rows it gathers, as the row buffers' gather does (KIVI's
+    newest rows exact until their block fills: 254 rows are 7 blocks and 30 more, the second append codes the
+    8th). Exact outlier channels take the torch recall, with the same rows."""
     method = SeKV()
-    memory, g = _memory(config, method, t=260, budget=40, seed=8, batch=2, d=d, kv_quant=kv_quant)
-    assert native.host_rows(memory.host_tier["keys"])[2] == int(kv_quant[3:])
+    memory, g = _memory(config, method, t=254, budget=40, seed=8, batch=2, d=d, kv_quant=kv_quant)
+    spec = QuantSpec.parse(kv_quant)
+    layout = native.host_rows(memory.host_tier["keys"])
+    assert (layout is None) == bool(spec.outliers)
+    if layout is not None:
+        assert layout[2] == spec.for_rows("keys").bits and layout[6] == (spec.key_layout == "channel")
     for _ in range(2):
         method.append(memory, torch.randn(2, H, 1, d, generator=g), torch.randn(2, H, 1, d, generator=g))
         _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, d, generator=g)))

@@ -135,7 +135,7 @@ def parse_runs(methods: Sequence[str] = (), adapters: Sequence[str] = (), budget
         if not chosen:
             raise ZoomKVError(f"method {label!r} needs a budget: give --budget, e.g. --budget 128 (eval, bench: "
                               "--budgets 128,512)")
-        runs += [RunSpec(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk), args_text(kwargs))
+        runs += [_run(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk), variants, kwargs)
                  for b in chosen]
     for adapter, source, variants in loaded:
         kwargs = {**scoped.get(ALL_METHODS, {}), **scoped.get(adapter.config.method, {})}
@@ -146,7 +146,7 @@ def parse_runs(methods: Sequence[str] = (), adapters: Sequence[str] = (), budget
         if not chosen:
             raise ZoomKVError(f"adapter {source!r} records no budget: give --budget")
         trained = TrainedModules(adapter.modules, adapter.config.base_model)
-        runs += [RunSpec(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk, trained), args_text(kwargs))
+        runs += [_run(label, _cache(method, b, variants, kv_quant_tiers, prefill_chunk, trained), variants, kwargs)
                  for b in chosen]
     return runs
 
@@ -207,6 +207,13 @@ def _with_flags(label: str, variants: list[str], flags: list[str]) -> tuple[str,
             raise ZoomKVError(f"--kv-quant {flag} and the variant of {label!r} ask for two quantizations")
         label, variants = f"{label}+{flag}", [*variants, flag]
     return label, variants
+
+
+def _run(label: str, cache: CacheSpec, variants: list[str], kwargs: Mapping[str, Any]) -> RunSpec:
+    """A run labelled with its host format too when the method brought its own (an adapter's fitted one)."""
+    if cache.kv_quant is not None and not any(is_format(v) for v in variants):
+        label = f"{label}+{cache.kv_quant.name}"
+    return RunSpec(label, cache, args_text(kwargs))
 
 
 def _cache(method: KVMethod, budget: Budget | None, variants: list[str], tiers: str | None,

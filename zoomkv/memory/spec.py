@@ -17,7 +17,7 @@ The command line reaches a spec through ``zoomkv.runspec`` (one grammar for ever
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -136,9 +136,9 @@ class CacheSpec:
             raise ConfigError(f"{quant.name} keeps {quant.outliers} exact key channels of a {head_dim}-channel head: "
                               "fewer than head_dim")
         layers = len(compat.layer_types(config))
-        if quant is not None and quant.layers and len(quant.layers) != layers:
+        if quant is not None and len(quant.layers) > layers:
             raise ConfigError(f"the host format {quant.name} gives bits for {len(quant.layers)} layers; the model has "
-                              f"{layers}")
+                              f"{layers} (an adapter fitted to another model)")
 
     def compressed_layers(self, model_or_config: Any) -> list[int]:
         """The model's layers this spec's method holds to the budget: full-attention layers it does not keep
@@ -162,9 +162,17 @@ def _dense_hint(method: KVMethod) -> str:
 
 def quant_spec(method: KVMethod, kv_quant: str | QuantSpec | None, tiers: str | None = None,
                group_size: int = 32) -> QuantSpec | None:
-    """``"int8"`` / ``"int4"`` / None for ``method``. ``tiers`` None: where ``+int8`` / ``+int4`` quantize, the
+    """``"int8"`` / ``"kivi2"`` / ... for ``method``; None: the method's own format (``KVMethod.host_format``, a
+    trained adapter's), usually none. ``tiers`` None: where ``+int8`` / ``+int4`` quantize, the
     host tier, which holds what a method keeps off the device; a method without a budget (``full``) holds every
     row on the device, so there its device tier (``"all"``)."""
-    if kv_quant is None or isinstance(kv_quant, QuantSpec):
+    if isinstance(kv_quant, QuantSpec):
         return kv_quant
-    return QuantSpec.parse(kv_quant, tiers or ("host" if method.uses_budget else "all"), group_size)
+    tiers = tiers or ("host" if method.uses_budget else "all")
+    if kv_quant is None:  # the method's own (a trained adapter's fitted host format), or none
+        name, layers, fitted = method.host_format()
+        spec = QuantSpec.parse(name, tiers, group_size)
+        if spec is not None and layers:
+            spec = replace(spec, layers=tuple((int(k), int(v)) for k, v in layers), fitted=fitted)
+        return spec
+    return QuantSpec.parse(kv_quant, tiers, group_size)

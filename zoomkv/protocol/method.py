@@ -182,6 +182,12 @@ class KVMethod:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
 
+    def host_format(self) -> tuple[str, list[list[int]], str]:
+        """The host tier's KV format when the command names none (``zoomkv.memory.quant``'s grammar: ``"int4"``,
+        ``"kivi4"``; ``"none"``: full precision), per model layer ``[key bits, value bits]`` when fitted (else
+        ``[]``), and what tables call the fitted pattern. A trained adapter's method may carry one."""
+        return "none", [], ""
+
     # -- budget ---------------------------------------------------------------------------------------
     def min_budget(self) -> int:
         """The smallest budget this method can meet (its fixed rows: sinks, windows...)."""

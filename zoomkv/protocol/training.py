@@ -76,6 +76,11 @@ class MethodTraining:
         """What rebuilds these modules (their exact sizes) and runs the method as trained."""
         raise NotImplementedError
 
+    def fitted_hyper(self, modules: torch.nn.Module, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
+        """Hyper-parameters fitted on the teacher cache once the steps are done (discrete choices no optimiser
+        step makes), added to ``hyper`` at export."""
+        return {}
+
     # -- the objective ------------------------------------------------------------------------------------
     def param_groups(self, modules: torch.nn.Module, recipe: Any) -> list[dict[str, Any]]:
         return [{"params": list(modules.parameters()), "lr": recipe.lr}]

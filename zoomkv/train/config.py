@@ -212,8 +212,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     if cfg.min_length > cfg.max_length or cfg.min_length < 16:
         raise ConfigError(f"recipe keys 'min_length'/'max_length': need 16 <= min_length <= max_length, got "
                           f"{cfg.min_length}, {cfg.max_length}")
+    if cfg.steps == 0 and not cfg.init_adapter:
+        raise ConfigError("recipe key 'steps' must be >= 1 (0 only with init_adapter: its modules as they are, "
+                          "exported with what is fitted after the steps, such as sekv's host_bits)")
     for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) < (0 if key == "steps" else 1):
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
     if cfg.samples_per_step > cfg.num_samples:  # a step of 1e9 micro-batches would run for ever
         raise ConfigError(f"recipe key 'samples_per_step' must be at most num_samples ({cfg.num_samples}: a step "

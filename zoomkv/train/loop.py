@@ -136,7 +136,8 @@ def train(cfg: TrainConfig) -> Path:
     # -- the adapter folder, the method's report and the held-out scores (main process)
     out = cfg.run_dir / "adapter"
     if accelerator.is_main_process:
-        exported = ZoomAdapter.from_modules(engine.adapter, cfg.method, training.hyper(engine.adapter, cfg),
+        hyper = {**training.hyper(engine.adapter, cfg), **training.fitted_hyper(engine.adapter, cfg, cached)}
+        exported = ZoomAdapter.from_modules(engine.adapter, cfg.method, hyper,
                                             shape=shape, fingerprint=base, budget=cfg.budget)
         exported.save_pretrained(out, overwrite=True)
         save_resolved(cfg, out)

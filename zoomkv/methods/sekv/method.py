@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from zoomkv.errors import ConfigError
+from zoomkv.memory.quant import BITS as QUANT_BITS
+from zoomkv.memory.quant import FORMATS_HELP, is_format
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv import native
@@ -104,6 +106,20 @@ class SeKVConfig(MethodConfig):
         default=False, metadata={"help": "keep the anchors (the surprising tokens: names, numbers) exact on the host "
                                          "tier under rank gates; the rest of the rows go low-rank"}
     )
+    host_format: str = field(
+        default="none", metadata={"help": "the host tier's KV format when the command names none (int8, int4, "
+                                         "kivi4, kivi2, ...; none: full precision); a trained adapter records "
+                                         "the one its recipe chose"}
+    )
+    host_bits: list = field(
+        default_factory=list, metadata={"help": "per model layer [key bits, value bits] of the host tier, fitted "
+                                                "by training to the recipe's host_budget ([]: host_format's own "
+                                                "bits in every layer)"}
+    )
+    host_budget: float = field(
+        default=0.0, metadata={"help": "the host-tier share of fp32 full KV that host_bits were fitted to "
+                                       "(0: none; tables name the pattern after it)"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
@@ -120,6 +136,17 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"candidates must be in [1, 64], got {self.candidates}")
         if self.host_key_basis not in HOST_KEY_BASES:
             raise ConfigError(f"host_key_basis must be one of {HOST_KEY_BASES}, got {self.host_key_basis!r}")
+        if self.host_format not in ("none", "") and not is_format(self.host_format):
+            raise ConfigError(f"host_format must be none or one of {FORMATS_HELP}, got {self.host_format!r}")
+        bits = self.host_bits
+        if not isinstance(bits, list | tuple) or any(
+                not isinstance(p, list | tuple) or len(p) != 2 or any(b not in QUANT_BITS for b in p) for p in bits):
+            raise ConfigError(f"host_bits must be a list of [key bits, value bits] per layer, each one of {QUANT_BITS}")
+        if bits and self.host_format in ("none", ""):
+            raise ConfigError("host_bits needs a host_format (its layout); host_format=none runs the host tier "
+                              "in full precision")
+        if not 0 <= self.host_budget <= 1:
+            raise ConfigError(f"host_budget must be in [0, 1], got {self.host_budget}")
 
 
 def split_budget(total: int, shares: Sequence[float], low: int) -> list[int]:
@@ -179,6 +206,12 @@ class SeKV(RecallableMethod):
                               "ZoomAdapter.from_pretrained(path).make_method())")
         self.adapter: SeKVAdapter | None = adapter
         self._split: dict[tuple[int, int], list[int]] = {}
+
+    def host_format(self) -> tuple[str, list[list[int]], str]:
+        c = self.config
+        if c.host_format in ("none", ""):
+            return "none", [], ""
+        return c.host_format, [list(p) for p in c.host_bits], f"fit{round(100 * c.host_budget)}" if c.host_bits else ""
 
     def dense_layer(self, layer_idx: int, num_layers: int) -> bool:
         return False

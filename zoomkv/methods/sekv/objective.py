@@ -26,15 +26,19 @@ losses, each for one module:
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from zoomkv.memory.quant import FORMATS_HELP, is_format
 from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
 from zoomkv.methods.sekv.host import truncated
+from zoomkv.methods.sekv.host_bits import fit_host_bits
 from zoomkv.methods.sekv.method import HOST_KEY_BASES, SeKV, SeKVConfig
 from zoomkv.methods.sekv.modules import MAX_SEED, SeKVAdapter, build_sekv_modules
 from zoomkv.protocol import rotary
@@ -43,6 +47,7 @@ from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample, finite_at_least
 
 ANCHOR_SHARPNESS = 4.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -289,6 +294,11 @@ class SeKVRecipe(RecipeOptions):
     # the rank gates' learning rate: a step moves only its layers' gates (layers_per_step of them), and Adam
     # moves a gate about lr a step, so at the shared lr a gate started at +3 could not reach 0 in a short run
     gate_lr: float = 0.25
+    # the host tier's KV format the adapter runs with (zoomkv.memory.quant: int8, int4, kivi4, kivi2, ...; none:
+    # full precision), and the share of fp32 full KV its bits per layer are fitted to after the steps
+    # (zoomkv.methods.sekv.host_bits; 0: host_format's bits in every layer)
+    host_format: str = "none"
+    host_budget: float = 0.0
 
     def __post_init__(self) -> None:
         self.require("sinks", self.sinks >= 0, ">= 0")
@@ -300,6 +310,11 @@ class SeKVRecipe(RecipeOptions):
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
         self.require("host_rank_target", 0 < self.host_rank_target <= 1, "in (0, 1]")
         self.require("host_key_basis", self.host_key_basis in HOST_KEY_BASES, f"one of {HOST_KEY_BASES}")
+        self.require("host_format", self.host_format == "none" or is_format(self.host_format),
+                     f"none or one of {FORMATS_HELP}")
+        self.require("host_budget", 0 <= self.host_budget < 1, "in [0, 1) (0: no fitted budget)")
+        self.require("host_budget", not self.host_budget or self.host_format != "none",
+                     "with a host_format (the layout its bits are fitted in), e.g. host_format: kivi4")
         for key in ("gain_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
@@ -332,10 +347,23 @@ class SeKVTraining(MethodTraining):
 
     def _method_kwargs(self, recipe: Any) -> dict[str, Any]:
         o = recipe.options
-        return {k: recipe.recent if k == "recent" else getattr(o, k) for k in _METHOD_KEYS}
+        return {k: recipe.recent if k == "recent" else getattr(o, k) for k in _METHOD_KEYS
+                if k == "recent" or hasattr(o, k)}  # host_bits: fitted after the steps (fitted_hyper)
 
     def hyper(self, modules: SeKVAdapter, recipe: Any) -> dict[str, Any]:
         return {**self._method_kwargs(recipe), **modules.hyper()}
+
+    def fitted_hyper(self, modules: SeKVAdapter, recipe: Any, samples: Sequence[Sample]) -> dict[str, Any]:
+        """The host tier's bits per layer, fitted to ``host_budget`` on the teacher cache (``host_bits``)."""
+        o = recipe.options
+        if not o.host_budget:
+            return {}
+        budgets = [round(recipe.budget * float(share)) for share in modules.layer_shares()]  # sekv's split
+        pattern, report = fit_host_bits(samples, o.host_format, o.host_budget, budgets, modules.head_dim,
+                                        o.rescore_bits)
+        log.info("host bits fitted to %.3f of full KV (reached %.3f): %s", o.host_budget, report["host_share"],
+                 " ".join(f"{k}/{v}" for k, v in pattern))
+        return {"host_bits": pattern}
 
     def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
         others = [modules.span_tau, modules.layer_logit, modules.summary_bias]

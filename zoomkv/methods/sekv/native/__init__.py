@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zoomkv.memory.quant import QuantizedRowBuffer
+from zoomkv.memory.quant import ChannelQuantizedRowBuffer, QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer
 
 SOURCE = Path(__file__).with_name("select.cpp")
@@ -43,7 +43,9 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
                 _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
                 _P]  # out
-_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64]  # rows, capacity, bits (0: float32), scale, minimum, group
+# rows, capacity, bits (0: float32), scale, minimum, group; per channel (KIVI): 1, the blocks' capacity, the rows
+# coded, the exact newest rows and their number
+_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64, ctypes.c_int, _I64, _I64, _P, _I64]
 _RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
 
@@ -191,18 +193,26 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
 
 
 def host_rows(buf: Any) -> list | None:
-    """A host-tier row buffer as ``zk_sekv_recall`` reads it (float32 rows, or int8/int4 codes with their
-    scales and minimums), or None when it cannot (another dtype, a padded int4 width, a low-rank tier)."""
+    """A host-tier row buffer as ``zk_sekv_recall`` reads it (float32 rows; 8-, 4- or 2-bit codes per token with
+    their scales and minimums; KIVI's per-channel codes with their exact newest rows), or None when it cannot
+    (another dtype, a padded width, exact outlier channels, a low-rank tier)."""
     if type(buf) is RowBuffer:
         data = buf.data
         ok = data.dtype == torch.float32 and data.is_contiguous() and data.device.type == "cpu"
-        return [_ptr(data), data.shape[2], 0, None, None, 0] if ok else None
+        return [_ptr(data), data.shape[2], 0, None, None, 0, 0, 0, 0, None, 0] if ok else None
+    if type(buf) is ChannelQuantizedRowBuffer and buf.dtype == torch.float32:
+        parts = (buf.codes.data, buf.scale.data, buf.lo.data, buf.residual)
+        if all(t.is_contiguous() and t.device.type == "cpu" for t in parts) and buf.residual.dtype == torch.float32:
+            return [_ptr(parts[0]), parts[0].shape[2], buf.bits, _ptr(parts[1]), _ptr(parts[2]), buf.block,
+                    1, parts[1].shape[2], buf.codes.length, _ptr(buf.residual), buf.residual.shape[2]]
+        return None
     group = min(getattr(buf, "group", 1), getattr(buf, "width", 0))  # quantize() takes one group a row on small heads
     if (type(buf) is QuantizedRowBuffer and buf.dtype == torch.float32 and not buf.pad and buf.width % group == 0
-            and buf.bits in (8, 4) and buf.exact is None):
+            and buf.exact is None):
         parts = (buf.codes.data, buf.scale.data, buf.lo.data)
         if all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
-            return [_ptr(parts[0]), parts[0].shape[2], buf.bits, _ptr(parts[1]), _ptr(parts[2]), group]
+            return [_ptr(parts[0]), parts[0].shape[2], buf.bits, _ptr(parts[1]), _ptr(parts[2]), group,
+                    0, 0, 0, None, 0]
     return None
 
 

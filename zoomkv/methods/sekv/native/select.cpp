@@ -476,30 +476,50 @@ namespace {
 struct HostRows {
   const void* data;
   int64_t cap;
-  int bits;  // 0: float32
+  int bits;  // 0: float32; else 8, 4 or 2-bit codes, packed 8 / bits to a byte (code j of a byte at bits j*bits)
   const uint16_t* scale;
   const uint16_t* lo;
-  int64_t group;
+  int64_t group;      // per token: channels a scale covers; per channel: tokens a block covers
+  int channel;        // 0: scales per token and group of channels; 1: per channel and block of tokens (KIVI)
+  int64_t scale_cap;  // per channel: the blocks' capacity
+  int64_t coded;      // per channel: rows coded so far; the later ones are float32 in `residual`
+  const float* residual;
+  int64_t residual_cap;
 
   // Row `row` of (sequence, head) `bh` as float32 into out[0..d).
   void read(int64_t bh, int64_t row, int64_t d, float* out) const {
-    const int64_t at = bh * cap + row;
     if (bits == 0) {
-      std::memcpy(out, static_cast<const float*>(data) + at * d, d * 4);
+      std::memcpy(out, static_cast<const float*>(data) + (bh * cap + row) * d, d * 4);
+      return;
+    }
+    if (channel && row >= coded) {
+      std::memcpy(out, residual + (bh * residual_cap + row - coded) * d, d * 4);
+      return;
+    }
+    const int64_t at = bh * cap + row;
+    const int per = 8 / bits;
+    const unsigned mask = (1u << bits) - 1u;
+    const uint8_t* c = static_cast<const uint8_t*>(data) + at * (d / per);
+    if (channel) {
+      const int64_t block = bh * scale_cap + row / group;
+      const uint16_t* sc = scale + block * d;
+      const uint16_t* mn = lo + block * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
+        out[i] = float(code) * half_to_float(sc[i]) + half_to_float(mn[i]);
+      }
       return;
     }
     const int64_t groups = d / group;
     const uint16_t* sc = scale + at * groups;
     const uint16_t* mn = lo + at * groups;
     if (bits == 8) {
-      const uint8_t* c = static_cast<const uint8_t*>(data) + at * d;
       for (int64_t i = 0; i < d; ++i) out[i] = float(c[i]) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
-    } else {
-      const uint8_t* c = static_cast<const uint8_t*>(data) + at * (d / 2);
-      for (int64_t i = 0; i < d; ++i) {
-        const unsigned code = (i & 1) ? (c[i / 2] >> 4) : (c[i / 2] & 15u);
-        out[i] = float(code) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
-      }
+      return;
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
+      out[i] = float(code) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
     }
   }
 };
@@ -516,16 +536,22 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
                    const int64_t* idx,                                   // [batch, heads, k]
                    const void* keys, int64_t keys_cap, int key_bits,     // [batch, heads, keys_cap, dk | codes]
                    const uint16_t* key_scale, const uint16_t* key_lo, int64_t key_group,
+                   int key_channel, int64_t key_scale_cap, int64_t key_coded, const float* key_residual,
+                   int64_t key_residual_cap,
                    const void* values, int64_t values_cap, int value_bits,
                    const uint16_t* value_scale, const uint16_t* value_lo, int64_t value_group,
+                   int value_channel, int64_t value_scale_cap, int64_t value_coded, const float* value_residual,
+                   int64_t value_residual_cap,
                    const uint8_t* valid, int64_t valid_cap,              // [batch, valid_cap] or null
                    const float* key_sum, const float* value_sum,         // [batch, heads, dk | dv]
                    const float* count, const float* offset,              // [batch, heads], [heads] or null
                    float* out_keys, float* out_values, int64_t out_cap,  // [batch, heads, out_cap, dk | dv]
                    float* bias) {                                        // [batch, heads, k + 1]
   if (out_cap < k + 1) return 1;
-  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group};
-  const HostRows value_rows{values, values_cap, value_bits, value_scale, value_lo, value_group};
+  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
+                          key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
+  const HostRows value_rows{values, values_cap, value_bits, value_scale, value_lo, value_group,
+                            value_channel, value_scale_cap, value_coded, value_residual, value_residual_cap};
   std::vector<float> sk(dk), sv(dv);
   for (int64_t b = 0; b < batch; ++b) {
     const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
