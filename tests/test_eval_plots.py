@@ -52,7 +52,7 @@ def test_a_method_looks_the_same_in_every_plot_of_a_run(tmp_path, monkeypatch):
     drawn = _record(monkeypatch)
     rows = _rows(METHODS)
     paths = plots.write_plots(rows, tmp_path, METHODS)
-    assert {p.name for p in paths} >= {"pareto.png", "score_vs_budget_niah_single_1.png", "score_vs_budget_vt.png",
+    assert {p.name for p in paths} >= {"pareto.png", "pareto_memory.png", "score_vs_budget_niah_single_1.png", "score_vs_budget_vt.png",
                                        "score_vs_budget_all.png"}
     looks: dict[str, set[tuple[str, str]]] = {}
     for label, colour, marker in drawn:

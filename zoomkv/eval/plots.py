@@ -104,6 +104,37 @@ def pareto(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[str, An
     return path
 
 
+def pareto_memory(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[str, Any]] | None = None,
+                  name: str = "pareto_memory.png") -> Path:
+    """Mean score against the whole bill: device plus host tier as a share of full KV, one point per
+    configuration and budget, so a method that holds little on the device but more than full KV on the host
+    shows where it really stands."""
+    styles = styles or method_styles(rows)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(config_label(r), r.get("budget") or "")].append(r)
+    fig, ax = plt.subplots(figsize=(7.4 if len(groups) <= 8 else 10.0, 4.6))
+    for label in [lbl for lbl in styles if any(key[0] == lbl for key in groups)]:
+        points = [rs for (lbl, _), rs in groups.items() if lbl == label]
+        for i, rs in enumerate(points):
+            total = 100 * statistics.fmean((r["device_bytes"] + r["host_bytes"]) / max(r["full_kv_bytes"], 1)
+                                           for r in rs)
+            score = statistics.fmean(r["score"] for r in rs)
+            ax.plot([total], [score], linestyle="", label=label if i == 0 else None, **styles[label])
+            ax.annotate(f"{total:.0f}%", (total, score), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axvline(100, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("device + host KV, % of full KV (fp32)")
+    ax.set_ylabel("mean score (0–100)")
+    ax.set_ylim(-3, 103)
+    ax.set_title("score vs total memory (up and left is better)")
+    _legend(ax, len({k[0] for k in groups}))
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def niah_heatmaps(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """One PNG per method: a panel per budget, depth down, context length across, mean score in colour."""
     grid = [r for r in rows if r["task"] == GRID_TASK]
@@ -154,5 +185,6 @@ def write_plots(rows: list[dict[str, Any]], out: str | Path, methods: list[str] 
     if len(tasks) > 1:
         paths.append(score_vs_budget(rows, out, None, styles))
     paths.append(pareto(rows, out, styles))
+    paths.append(pareto_memory(rows, out, styles))
     paths += niah_heatmaps(rows, out)
     return paths

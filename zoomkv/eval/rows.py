@@ -29,6 +29,7 @@ GRID_TASK = "niah_grid"
 # those are ever replaced or deleted (--overwrite); a file there of one of these names that it does not list is
 # the user's, and the run is refused before anything is written.
 REPORT_PATTERNS = ("rows.json", "rows.csv", "summary.json", "summary.md", "score_vs_budget_*.png", "pareto.png",
+                   "pareto_memory.png",
                    "niah_heatmap_*.png", "diagnostics_*.png")
 OUTPUT_PATTERNS = ("rows.jsonl", *REPORT_PATTERNS)
 RUN_FILE = "run.json"

@@ -114,7 +114,7 @@ class SeKVConfig(MethodConfig):
     host_bits: list = field(
         default_factory=list, metadata={"help": "per model layer [key bits, value bits] of the host tier, fitted "
                                                 "by training to the recipe's host_budget ([]: host_format's own "
-                                                "bits in every layer)"}
+                                                "bits in every layer; unused under host_format=none)"}
     )
     host_budget: float = field(
         default=0.0, metadata={"help": "the host-tier share of fp32 full KV that host_bits were fitted to "
@@ -142,9 +142,6 @@ class SeKVConfig(MethodConfig):
         if not isinstance(bits, list | tuple) or any(
                 not isinstance(p, list | tuple) or len(p) != 2 or any(b not in QUANT_BITS for b in p) for p in bits):
             raise ConfigError(f"host_bits must be a list of [key bits, value bits] per layer, each one of {QUANT_BITS}")
-        if bits and self.host_format in ("none", ""):
-            raise ConfigError("host_bits needs a host_format (its layout); host_format=none runs the host tier "
-                              "in full precision")
         if not 0 <= self.host_budget <= 1:
             raise ConfigError(f"host_budget must be in [0, 1], got {self.host_budget}")
 

@@ -1,0 +1,40 @@
+"""Score against the whole memory bill (device + host tier, % of full KV) over several `zoomkv eval` runs.
+
+Each run folder's ``rows.jsonl`` is read (``full``, the reference every run repeats, is taken from the first run
+only); one plot (``eval.plots.pareto_memory``) and one Markdown table (``eval.summary``) of every configuration
+are written to ``--out``. BENCHMARKS.md, "Host tier":
+
+    python scripts/host_pareto.py runs/heldout-b128-baselines runs/heldout-b128-int4-trained \\
+        runs/heldout-b128-hostformats runs/heldout-b128-fit19 --out docs/host-tier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from zoomkv.eval.plots import pareto_memory
+from zoomkv.eval.summary import aggregate, config_label, markdown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="zoomkv eval --out folders")
+    parser.add_argument("--out", type=Path, required=True, help="folder for host_pareto.png and host_pareto.md")
+    args = parser.parse_args()
+    rows, seen = [], set()
+    for run in args.runs:
+        run_rows = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines() if line.strip()]
+        labels = {config_label(r) for r in run_rows}
+        rows += [r for r in run_rows if config_label(r) not in seen]
+        seen |= labels
+    args.out.mkdir(parents=True, exist_ok=True)
+    pareto_memory(rows, args.out, name="host_pareto.png")
+    table = markdown(aggregate(rows), rows, {"command": "python scripts/host_pareto.py " + " ".join(map(str, args.runs))})
+    (args.out / "host_pareto.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
