@@ -2,15 +2,18 @@
 
 Each run folder's ``rows.jsonl`` is read (``full``, the reference every run repeats, is taken from the first run
 only); one plot (``eval.plots.pareto_memory``) and one Markdown table (``eval.summary``) of every configuration
-are written to ``--out``. BENCHMARKS.md, "Host tier":
+are written to ``--out``. ``--points CSV`` adds configurations measured in earlier runs on the same prompts
+(``label,score,device,host``: mean score, device and host tier in % of full KV), drawn as the same kind of
+point; the CSV names the BENCHMARKS table they come from. BENCHMARKS.md, "Host tier":
 
     python scripts/host_pareto.py runs/heldout-b128-baselines runs/heldout-b128-int4-trained \\
-        runs/heldout-b128-hostformats runs/heldout-b128-fit19 --out docs/host-tier
+        runs/heldout-b128-hostformats runs/heldout-b128-fit19 --points docs/host-tier/earlier.csv --out docs/host-tier
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 from pathlib import Path
 
@@ -22,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="zoomkv eval --out folders")
     parser.add_argument("--out", type=Path, required=True, help="folder for host_pareto.png and host_pareto.md")
+    parser.add_argument("--points", type=Path, help="CSV of earlier runs' points: label,score,device,host (%% of full)")
     args = parser.parse_args()
     rows, seen = [], set()
     for run in args.runs:
@@ -30,8 +34,14 @@ def main() -> None:
         rows += [r for r in run_rows if config_label(r) not in seen]
         seen |= labels
     args.out.mkdir(parents=True, exist_ok=True)
-    pareto_memory(rows, args.out, name="host_pareto.png")
     table = markdown(aggregate(rows), rows, {"command": "python scripts/host_pareto.py " + " ".join(map(str, args.runs))})
+    if args.points:  # one pseudo-row a point: the plot averages rows, and one row is its own mean
+        for line in csv.DictReader(x for x in args.points.read_text().splitlines() if not x.startswith("#")):
+            if line["label"] in seen:
+                continue
+            rows.append({"method": line["label"], "budget": "128", "score": float(line["score"]),
+                         "device_bytes": float(line["device"]), "host_bytes": float(line["host"]), "full_kv_bytes": 100.0})
+    pareto_memory(rows, args.out, name="host_pareto.png")
     (args.out / "host_pareto.md").write_text(table)
     print(table)
 
