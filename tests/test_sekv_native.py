@@ -5,6 +5,7 @@ be built."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -78,6 +79,8 @@ def _adapter(config, seed):
     {"code_bits": 2, "anchor_bits": 8, "rescore_bits": 8, "candidates": 2.5},
     {"sinks": 0, "recent": 0, "anchor_fraction": 0.0},
     {"summary_row": False, "anchor_fraction": 0.2},
+    {"rescore_from": "host"},  # the second stage scores the host tier's keys: no finer codes held
+    {"rescore_from": "host", "sinks": 0, "recent": 0},
 ])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_native_router_picks_the_rows_the_torch_path_picks(config, kwargs, seed):
@@ -103,12 +106,14 @@ def test_native_router_at_head_dim_64(config, t):
 
 @pytest.mark.parametrize("kv_quant", ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "int2o4"])
 @pytest.mark.parametrize("d", [D, 64])
-def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d):
+@pytest.mark.parametrize("rescore_from", ["codes", "host"])
+def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d, rescore_from):
     """sekv+FORMAT: the compiled recall decodes only the rows it gathers, as the row buffers' gather does (KIVI's
     newest rows exact until their block fills: 254 rows are 7 blocks and 30 more, the second append codes the
     8th). Exact outlier channels take the torch recall, with the same rows."""
-    method = SeKV()
+    method = SeKV(rescore_from=rescore_from)
     memory, g = _memory(config, method, t=254, budget=40, seed=8, batch=2, d=d, kv_quant=kv_quant)
+    assert ("fine_codes" in memory.host_tier) == (rescore_from == "codes")
     spec = QuantSpec.parse(kv_quant)
     layout = native.host_rows(memory.host_tier["keys"])
     assert (layout is None) == bool(spec.outliers)
@@ -119,10 +124,11 @@ def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d):
         _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, d, generator=g)))
 
 
-def test_native_router_keeps_padding_out(config):
+@pytest.mark.parametrize("rescore_from", ["codes", "host"])
+def test_native_router_keeps_padding_out(config, rescore_from):
     lengths = torch.tensor([300, 180])
     valid = torch.arange(300)[None, :] >= (300 - lengths)[:, None]  # left padding
-    method = SeKV()
+    method = SeKV(rescore_from=rescore_from)
     memory, g = _memory(config, method, t=300, budget=40, seed=3, batch=2, valid=valid)
     method.append(memory, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
     reference, fast = _both(method, memory, torch.randn(2, H * G, 1, D, generator=g))
@@ -194,3 +200,21 @@ def test_without_a_compiler_sekv_runs_the_torch_path_and_says_so(config, monkeyp
 def test_zoomkv_native_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("ZOOMKV_NATIVE", "0")
     assert not native.usable(torch.zeros(1))
+
+
+def test_rescoring_from_the_host_keys_over_every_row_is_exact_top_k(config):
+    """``rescore_from='host'`` with every row a candidate: the second stage is the teacher's own logits, so the
+    rows recalled are the sinks, the newest rows, and the exact top rows of the group's summed softmax."""
+    method = SeKV(rescore_from="host", candidates=64.0)
+    memory, g = _memory(config, method, t=300, budget=48, seed=11)
+    query = torch.randn(1, H * G, 1, D, generator=g) * 2
+    for torch_path in (True, False):
+        with native.torch_path() if torch_path else contextlib.nullcontext():
+            idx = method._pick(memory, query, 300, 300, 47) if torch_path else \
+                method._pick_native(memory, query, 300, 300, 47)
+        keys = memory.host_tier["keys"].view()
+        vote = torch.softmax(torch.matmul(query.view(1, H, G, D), keys.transpose(-1, -2)) * D**-0.5, -1).sum(2)
+        vote[..., :4] = float("inf")  # sinks
+        vote[..., -16:] = float("inf")  # recent
+        expected = vote.topk(47, -1).indices.sort(-1).values
+        assert torch.equal(idx, expected)

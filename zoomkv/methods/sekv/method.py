@@ -63,6 +63,7 @@ from zoomkv.protocol.recallable import (
 
 TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
 HOST_KEY_BASES = ("pre_rope", "post_rope")
+RESCORE_SOURCES = ("codes", "host")
 
 
 @dataclass
@@ -85,6 +86,12 @@ class SeKVConfig(MethodConfig):
     )
     candidates: float = field(
         default=4.0, metadata={"help": "candidates per recalled row the first stage passes to the rescoring"}
+    )
+    rescore_from: str = field(
+        default="codes", metadata={"help": "what the second stage scores the candidates with: 'codes', finer codes "
+                                          "of every key at rescore_bits kept on the host tier beside the rows; "
+                                          "'host', the host tier's keys themselves (as stored: exact or quantized), "
+                                          "with no second copy of the keys"}
     )
     # The next four only matter under rank gates that drop directions. Their defaults are what adapters saved
     # before they existed were trained for (a recipe sets them: recipes/smollm2-135m/rank-budget.yaml).
@@ -136,6 +143,8 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"candidates must be in [1, 64], got {self.candidates}")
         if self.host_key_basis not in HOST_KEY_BASES:
             raise ConfigError(f"host_key_basis must be one of {HOST_KEY_BASES}, got {self.host_key_basis!r}")
+        if self.rescore_from not in RESCORE_SOURCES:
+            raise ConfigError(f"rescore_from must be one of {RESCORE_SOURCES}, got {self.rescore_from!r}")
         if self.host_format not in ("none", "") and not is_format(self.host_format):
             raise ConfigError(f"host_format must be none or one of {FORMATS_HELP}, got {self.host_format!r}")
         bits = self.host_bits
@@ -292,7 +301,7 @@ class SeKV(RecallableMethod):
         first = valid.float().argmax(1, keepdim=True)
         dev["sink_pos"] = (first + torch.arange(c.sinks, device=keys.device)).clamp_max(t - 1)
         memory.meta.update(budget=budget, scaling=ctx.scaling, layer=layer)
-        if c.rescore_bits:
+        if c.rescore_bits and c.rescore_from == "codes":
             # The finer codes live on the host tier beside the rows; a step copies only its candidates' codes
             # into a fixed device buffer (counted in the device tier's bytes).
             fine, fine_rms = encode(rotated, c.rescore_bits)
@@ -467,16 +476,17 @@ class SeKV(RecallableMethod):
         else:
             append_host_rows(memory, key, value)
         dev, c = memory.device_tier, self.config
+        fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
         if native.usable(key):  # both code widths in one compiled pass
             codes, rms, fine, fine_rms = native.encode(key, dev["code_mean"], dev["code_rotation"], c.code_bits,
-                                                       c.rescore_bits)
+                                                       fine_bits)
         else:
             rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
             codes, rms = encode(rotated, c.code_bits)
-            fine, fine_rms = encode(rotated, c.rescore_bits) if c.rescore_bits else (None, None)
+            fine, fine_rms = encode(rotated, fine_bits) if fine_bits else (None, None)
         dev["codes"].append(codes)
         dev["code_rms"].append(rms)
-        if c.rescore_bits:
+        if fine_bits:
             memory.host_tier["fine_codes"].append(fine)
             memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
@@ -544,9 +554,35 @@ class SeKV(RecallableMethod):
         if valid is not None:
             vote = vote.masked_fill(~valid, float("-inf"))
         idx = vote.topk(m, dim=-1).indices
-        if m > k:
+        if m > k and c.rescore_from == "host":
+            idx = self._rescore_host(memory, query, idx, torch.isinf(vote.gather(-1, idx)) & (vote.gather(-1, idx) > 0), k)
+        elif m > k:
             idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
         return idx.sort(dim=-1).values  # sequence order
+
+    def _rescore_host(self, memory, query: torch.Tensor, cand: torch.Tensor, forced: torch.Tensor,
+                      k: int) -> torch.Tensor:
+        """Stage two from the host tier's own keys (``rescore_from='host'``): the candidates decoded as stored
+        and scored exactly against the group's queries (the teacher's own logits, as far as the host tier holds
+        them); the ``k`` best by the group's summed softmax, forced rows (``forced``) kept, padding out."""
+        h = memory.device_tier["code_mean"].shape[1]
+        keys = memory.host_tier["keys"].gather(cand.to(memory.host_tier["keys"].data.device)).to(query.device)
+        q = group_query(query, h).float()  # [b, h, g·q, d]
+        logits = torch.matmul(q, keys.float().transpose(-1, -2)) * memory.meta["scaling"]
+        vote = torch.softmax(logits, -1).sum(2)
+        valid = host_valid(memory)
+        if valid is not None:
+            vote = vote.masked_fill(~valid.expand(-1, h, -1).gather(-1, cand), float("-inf"))
+        vote = vote.masked_fill(forced, float("inf"))
+        return cand.gather(-1, vote.topk(k, dim=-1).indices)
+
+    def _forced(self, memory, cand: torch.Tensor, n: int) -> torch.Tensor:
+        """``[b, h, m]``: which candidates the first stage forced in (sinks and the newest rows)."""
+        forced = cand >= n - self.config.recent if self.config.recent else torch.zeros_like(cand, dtype=torch.bool)
+        if self.config.sinks:
+            sinks = memory.device_tier["sink_pos"][:, None, None, :]
+            forced = forced | (cand[..., None] == sinks).any(-1)
+        return forced
 
     def _pick_native(self, memory, query: torch.Tensor, n: int, m: int, k: int) -> torch.Tensor:
         """``_pick`` in one compiled call (``native/select.cpp``): the same rows, read straight from the row
@@ -558,14 +594,23 @@ class SeKV(RecallableMethod):
         gains = None if self.adapter is None else self._gains(memory.meta["layer"], h, d, query.device)
         valid = host.get("valid")
         anchored = "anchor_pos" in dev
-        return native.select(
+        from_host = c.rescore_from == "host"
+        picked = native.select(
             q, dev["code_rotation"], gains, memory.meta["scaling"], dev["codes"].data, dev["code_rms"].data,
             c.code_bits, n, anchor_pos=dev["anchor_pos"] if anchored else None,
             anchor_codes=dev["anchor_codes"] if anchored else None, anchor_rms=dev["anchor_rms"] if anchored else None,
             anchor_bits=c.anchor_bits, valid=None if valid is None else valid.data[:, 0, :, 0],
-            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=k,
-            fine_codes=host["fine_codes"].data if m > k else None, fine_rms=host["fine_rms"].data if m > k else None,
-            fine_bits=c.rescore_bits)
+            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=m if from_host else k,
+            fine_codes=host["fine_codes"].data if m > k and not from_host else None,
+            fine_rms=host["fine_rms"].data if m > k and not from_host else None, fine_bits=c.rescore_bits)
+        if not from_host or m == k:
+            return picked
+        forced = self._forced(memory, picked, n)
+        layout = native.host_rows(host["keys"])
+        if layout is None or host["keys"].data.device.type != "cpu":
+            return self._rescore_host(memory, query, picked, forced, k).sort(dim=-1).values
+        return native.rescore_host(q, memory.meta["scaling"], picked, forced,
+                                   None if valid is None else valid.data[:, 0, :, 0], layout, k)
 
     def _recall_native(self, memory, idx: torch.Tensor) -> Selection | None:
         """The rows ``idx`` recalled (decoded when quantized) and the summary row after them in the recall
@@ -596,7 +641,8 @@ class SeKV(RecallableMethod):
         idx = None
         if n > k:
             c = self.config
-            m = min(n, self._candidates(memory.meta["budget"])) if c.rescore_bits else k
+            two_stages = c.rescore_bits or c.rescore_from == "host"
+            m = min(n, self._candidates(memory.meta["budget"])) if two_stages else k
             # one compiled call on CPU tensors (native/select.cpp); the torch path on any other device
             if native.usable(query):
                 idx = self._pick_native(memory, query, n, m, k)

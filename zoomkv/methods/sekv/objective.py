@@ -39,7 +39,7 @@ from zoomkv.memory.quant import FORMATS_HELP, is_format
 from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
 from zoomkv.methods.sekv.host import truncated
 from zoomkv.methods.sekv.host_bits import fit_host_bits
-from zoomkv.methods.sekv.method import HOST_KEY_BASES, SeKV, SeKVConfig
+from zoomkv.methods.sekv.method import HOST_KEY_BASES, RESCORE_SOURCES, SeKV, SeKVConfig
 from zoomkv.methods.sekv.modules import MAX_SEED, SeKVAdapter, build_sekv_modules
 from zoomkv.protocol import rotary
 from zoomkv.protocol.method import check_hyperparameters
@@ -71,7 +71,9 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
         coarse = decode(*encode(x, cfg.code_bits), cfg.code_bits)
         fine = decode(*encode(x, cfg.anchor_bits), cfg.anchor_bits)
         rescored = None
-        if cfg.rescore_bits:
+        if cfg.rescore_from == "host":  # the second stage reads the keys themselves (the host tier's)
+            rescored = x
+        elif cfg.rescore_bits:
             rescored = fine if cfg.rescore_bits == cfg.anchor_bits else decode(*encode(x, cfg.rescore_bits),
                                                                                cfg.rescore_bits)
     s = surprisal[:n].float()
@@ -275,6 +277,7 @@ class SeKVRecipe(RecipeOptions):
     summary_row: bool = True
     rescore_bits: int = 4
     candidates: float = 4.0
+    rescore_from: str = "codes"  # "host": the second stage scores the host tier's own keys (no finer codes kept)
     host_key_basis: str = "post_rope"  # under a rank budget: "pre_rope" fits the keys' directions before RoPE
     host_exact_sinks: bool = False  # under a rank budget: the sink rows stay exact
     host_exact_anchors: bool = False  # under a rank budget: the anchors (surprising tokens) stay exact
@@ -307,6 +310,7 @@ class SeKVRecipe(RecipeOptions):
             self.require(key, getattr(self, key) in BITS, f"one of {BITS}")
         self.require("rescore_bits", self.rescore_bits in (0, *BITS), f"0 or one of {BITS}")
         self.require("candidates", 1 <= self.candidates <= 64, "in [1, 64]")
+        self.require("rescore_from", self.rescore_from in RESCORE_SOURCES, f"one of {RESCORE_SOURCES}")
         self.require("anchor_fraction", 0 <= self.anchor_fraction <= 1, "in [0, 1]")
         self.require("host_rank_target", 0 < self.host_rank_target <= 1, "in (0, 1]")
         self.require("host_key_basis", self.host_key_basis in HOST_KEY_BASES, f"one of {HOST_KEY_BASES}")
@@ -360,7 +364,7 @@ class SeKVTraining(MethodTraining):
             return {}
         budgets = [round(recipe.budget * float(share)) for share in modules.layer_shares()]  # sekv's split
         pattern, report = fit_host_bits(samples, o.host_format, o.host_budget, budgets, modules.head_dim,
-                                        o.rescore_bits)
+                                        o.rescore_bits if o.rescore_from == "codes" else 0)
         log.info("host bits fitted to %.3f of full KV (reached %.3f): %s", o.host_budget, report["host_share"],
                  " ".join(f"{k}/{v}" for k, v in pattern))
         return {"host_bits": pattern}

@@ -47,6 +47,7 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
 # coded, the exact newest rows and their number
 _HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64, ctypes.c_int, _I64, _I64, _P, _I64]
 _RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
+_RESCORE_ARGS = [_I64, _I64, _I64, _I64, _I64, _I64, _P, _F32, _P, _P, _P, _I64, *_HOST, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
 
 
@@ -77,6 +78,7 @@ def _build() -> ctypes.CDLL:
     lib.zk_sekv_select.argtypes, lib.zk_sekv_select.restype = _SELECT_ARGS, ctypes.c_int
     lib.zk_sekv_codes.argtypes, lib.zk_sekv_codes.restype = _CODES_ARGS, ctypes.c_int
     lib.zk_sekv_recall.argtypes, lib.zk_sekv_recall.restype = _RECALL_ARGS, ctypes.c_int
+    lib.zk_sekv_rescore_host.argtypes, lib.zk_sekv_rescore_host.restype = _RESCORE_ARGS, ctypes.c_int
     return lib
 
 
@@ -232,9 +234,30 @@ def recall(idx: torch.Tensor, keys: list, values: list, dk: int, dv: int, valid:
     v = _bytes(valid)
     sums = [t.float().contiguous() for t in (key_sum, value_sum, count)]
     off = offset.float().contiguous() if offset is not None else None
-    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx.contiguous()), *keys, *values, _ptr(v),
+    idx = idx.contiguous()  # held in a name for the call
+    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx), *keys, *values, _ptr(v),
                             0 if v is None else v.shape[-1], *(_ptr(t) for t in sums), _ptr(off), _ptr(out_keys),
                             _ptr(out_values), out_keys.shape[2], _ptr(bias))
     if rc:
         raise ValueError(f"sekv's native recall needs {k + 1} rows in the recall buffer, it has {out_keys.shape[2]}")
     return bias
+
+
+def rescore_host(query: torch.Tensor, scaling: float, cand: torch.Tensor, forced: torch.Tensor,
+                 valid: torch.Tensor | None, keys: list, k: int) -> torch.Tensor:
+    """``[b, h, k]`` long, in sequence order: of the candidates ``cand`` ``[b, h, m]``, the ``k`` rows
+    ``SeKV._rescore_host`` keeps, scored from the host keys (``host_rows`` of their buffer); ``query``
+    ``[b, h·g, d]``, ``forced`` ``[b, h, m]`` bool (sinks and recent rows: kept)."""
+    lib = library()
+    assert lib is not None
+    b, hq, d = query.shape
+    h, m = cand.shape[1], cand.shape[2]
+    out = torch.empty(b, h, k, dtype=torch.long)
+    v = _bytes(valid)
+    # held in names for the call: a temporary's memory could be freed before the kernel reads it
+    q, c, f = query.float().contiguous(), cand.contiguous(), forced.to(torch.uint8).contiguous()
+    rc = lib.zk_sekv_rescore_host(b, h, hq // h, d, m, k, _ptr(q), float(scaling), _ptr(c), _ptr(f), _ptr(v),
+                                  0 if v is None else v.shape[-1], *keys, _ptr(out))
+    if rc:
+        raise ValueError(f"sekv's native rescoring refused k={k} of m={m} candidates")
+    return out

@@ -588,4 +588,60 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
   return 0;
 }
 
+
+// Stage two from the host tier's own keys (rescore_from="host"): the m candidates cand[b, h, :m] (stage one's,
+// any order) decoded from the host rows and scored against every query of the group, exp(logit - max) summed
+// per row as the vote; forced rows (sinks, recent: forced != 0) stay in, padding stays out; the best k in
+// sequence order into out[b, h, :k]. What SeKV._rescore_host computes.
+int zk_sekv_rescore_host(int64_t batch, int64_t heads, int64_t group, int64_t d, int64_t m, int64_t k,
+                         const float* query,                                   // [batch, heads * group, d]
+                         float scaling, const int64_t* cand, const uint8_t* forced,  // [batch, heads, m]
+                         const uint8_t* valid, int64_t valid_cap,             // [batch, valid_cap] or null
+                         const void* keys, int64_t keys_cap, int key_bits,
+                         const uint16_t* key_scale, const uint16_t* key_lo, int64_t key_group,
+                         int key_channel, int64_t key_scale_cap, int64_t key_coded, const float* key_residual,
+                         int64_t key_residual_cap,
+                         int64_t* out) {                                       // [batch, heads, k]
+  if (k > m) return 1;
+  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
+                          key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
+  std::vector<float> rows(m * d), logits(m), vote(m);
+  std::vector<uint64_t> order_keys;
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t bh = b * heads + h;
+      const int64_t* c = cand + bh * m;
+      for (int64_t j = 0; j < m; ++j) key_rows.read(bh, c[j], d, rows.data() + j * d);
+      std::fill(vote.begin(), vote.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = query + ((b * heads + h) * group + g) * d;
+        float top = -kInf;
+        for (int64_t j = 0; j < m; ++j) {
+          const float* r = rows.data() + j * d;
+          float acc = 0.0f;
+          for (int64_t i = 0; i < d; ++i) acc += q[i] * r[i];
+          logits[j] = acc * scaling;
+          top = std::max(top, logits[j]);
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < m; ++j) total += (logits[j] = std::exp(logits[j] - top));
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < m; ++j) vote[j] += logits[j] * inv;
+      }
+      const uint8_t* f = forced + bh * m;
+      for (int64_t j = 0; j < m; ++j) {
+        if (f[j]) vote[j] = kInf;
+        else if (valid_b && !valid_b[c[j]]) vote[j] = -kInf;
+      }
+      top_m(vote.data(), m, k, order_keys, order);
+      int64_t* dst = out + bh * k;
+      for (int64_t j = 0; j < k; ++j) dst[j] = c[order[j]];
+      std::sort(dst, dst + k);
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
