@@ -143,7 +143,7 @@ def test_a_decode_step_decodes_only_the_rows_it_gathers(method, monkeypatch, tmp
     assert max(decoded) <= (n // 2 if method == "clusterkv" else 2 * budget) < n
 
 
-FORMATS = ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "int2o4"]
+FORMATS = ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "kivi4v2", "int2o4"]
 
 
 @pytest.mark.parametrize("name", FORMATS)

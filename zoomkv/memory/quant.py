@@ -32,8 +32,10 @@ from zoomkv.memory.tiers import RowBuffer
 BITS = (8, 4, 2)
 LAYOUTS = ("token", "channel")
 ROLES = ("keys", "values", "rows")  # "rows": other floating rows of the host tier (coordinates, exact copies)
-_NAME = re.compile(r"(?:int(?P<both>[248])|k(?P<k>[248])v(?P<v>[248])|kivi(?P<kivi>[248]))(?:o(?P<o>[0-9]{1,3}))?")
-FORMATS_HELP = "int8, int4, int2, kKvV (k4v2: keys 4 bits, values 2), kivi4, kivi2; oN: N exact key channels (int2o4)"
+_NAME = re.compile(r"(?:int(?P<both>[248])|k(?P<k>[248])v(?P<v>[248])|kivi(?P<kivi>[248])(?:v(?P<kv>[248]))?)"
+                   r"(?:o(?P<o>[0-9]{1,3}))?")
+FORMATS_HELP = ("int8, int4, int2, kKvV (k4v2: keys 4 bits, values 2), kivi4, kivi2, kivi4v2 (KIVI's keys at 4 bits, "
+                "values 2); oN: N exact key channels (int2o4)")
 
 
 def is_format(text: str) -> bool:
@@ -85,8 +87,8 @@ class QuantSpec:
         m = _NAME.fullmatch(text)
         if m is None:
             raise ConfigError(f"unknown KV quantization {text!r}; valid: {FORMATS_HELP}, none")
-        bits = int(m["both"] or m["v"] or m["kivi"])
-        key_bits = int(m["k"]) if m["k"] else None
+        bits = int(m["both"] or m["v"] or m["kv"] or m["kivi"])
+        key_bits = int(m["k"] or m["kivi"]) if (m["k"] or m["kv"]) else None
         if m["kivi"] and m["o"]:
             raise ConfigError(f"{text!r}: KIVI's per-channel keys already give each channel its own scale; exact "
                               "channels (oN) go with the per-token formats (int2o4)")
@@ -101,7 +103,7 @@ class QuantSpec:
             return self.fitted or "fitted"
         kb = self.bits if self.key_bits is None else self.key_bits
         if self.key_layout == "channel":
-            base = f"kivi{self.bits}" if kb == self.bits else f"kivi-k{kb}v{self.bits}"
+            base = f"kivi{self.bits}" if kb == self.bits else f"kivi{kb}v{self.bits}"
         else:
             base = f"int{self.bits}" if kb == self.bits else f"k{kb}v{self.bits}"
         return base + (f"o{self.outliers}" if self.outliers else "")
