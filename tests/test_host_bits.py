@@ -92,3 +92,22 @@ def test_an_adapter_runs_with_its_fitted_host_bits_and_can_turn_them_off(tmp_pat
 def test_methods_take_a_host_format_through_method_args():
     runs = parse_runs(["sekv"], budgets=["64"], method_args={"*": {"host_format": "kivi2"}})
     assert runs[0].label == "sekv+kivi2" and runs[0].cache.kv_quant.key_layout == "channel"
+
+
+def test_the_fit_charges_keys_for_moving_the_attention_and_values_only_for_the_output():
+    from zoomkv.methods.sekv.host_bits import output_errors
+
+    g = torch.Generator().manual_seed(0)
+    h, hq, n, d = 2, 4, 96, 32
+    keys = torch.randn(h, n, d, generator=g) * 2
+    q = torch.randn(hq, 3, d, generator=g)
+    attn = torch.softmax(torch.einsum("hpd,hnd->hpn", q, keys.repeat_interleave(2, 0)) * d**-0.5, -1)
+    sample = {"scaling": torch.tensor(d**-0.5), "positions": torch.tensor([n - 3, n - 2, n - 1]),
+              "layers": torch.tensor([0]), "k.0": keys, "v.0": torch.randn(h, n, d, generator=g), "q.0": q,
+              "attn.0": attn}
+    spec = QuantSpec.parse("int4")
+    with_kl = output_errors([sample], spec, [16])[0]
+    without = output_errors([sample], spec, [16], kl=False)[0]
+    assert with_kl["values"] == without["values"]  # coded values leave the weights where they were
+    assert with_kl["keys"][2] > without["keys"][2] > 0  # coded keys move them: charged for it
+    assert without["keys"][2] > without["keys"][4] > without["keys"][8]

@@ -5,7 +5,8 @@ the teacher cache once the steps are done: for every compressed layer, keys and 
 (8, 4, 2 bits in ``host_format``'s layout), the cached query positions attend their exact top-``budget`` rows
 (what a recall brings back) with that part of the layer coded as the host tier codes it
 (``zoomkv.memory.quant.row_buffer``, the runtime's own coder) and the rest exact; the relative squared error of
-the attention output against the exact one is that choice's cost. Then, from 8 bits everywhere, the step down
+the attention output against the exact one, plus the KL divergence of the attention weights (``host_fit_kl``),
+is that choice's cost. Then, from 8 bits everywhere, the step down
 that costs the least error per byte saved is taken until the host tier (rows, scales and the router's finer
 codes) fits ``host_budget`` of fp32 full KV. The result, ``host_bits``, is a hyper-parameter of the adapter
 (one ``[key bits, value bits]`` per model layer, like PEFT's ``rank_pattern``), so loading it needs no code.
@@ -29,19 +30,23 @@ def fine_code_share(head_dim: int, rescore_bits: int) -> float:
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chosen: torch.Tensor,
-               scaling: float) -> torch.Tensor:
-    """``q`` ``[h, g, d]`` over rows ``chosen`` (``[h, k]`` indices) of ``keys``/``values`` ``[h, n, d]``."""
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[h, g, d]`` over rows ``chosen`` (``[h, k]`` indices) of ``keys``/``values`` ``[h, n, d]``: the
+    output and the log attention weights."""
     at = chosen[..., None].expand(-1, -1, keys.shape[-1])
     k, v = keys.gather(1, at), values.gather(1, at)
-    w = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, -1)
-    return torch.matmul(w, v)
+    logw = torch.log_softmax(torch.matmul(q, k.transpose(-1, -2)) * scaling, -1)
+    return torch.matmul(logw.exp(), v), logw
 
 
 def output_errors(samples: Sequence[dict[str, torch.Tensor]], spec: QuantSpec, budgets: Sequence[int],
-                  bits: Sequence[int] = BITS) -> dict[int, dict[str, dict[int, float]]]:
-    """``{model layer: {"keys" | "values": {bits: mean relative squared error of the attention output}}}`` over
-    the samples' cached query positions, each attending its exact top rows, ``budgets[i]`` of them in the
-    ``i``-th compressed layer (sekv's budget split)."""
+                  bits: Sequence[int] = BITS, kl: bool = True) -> dict[int, dict[str, dict[int, float]]]:
+    """``{model layer: {"keys" | "values": {bits: cost}}}`` over the samples' cached query positions, each
+    attending its exact top rows, ``budgets[i]`` of them in the ``i``-th compressed layer (sekv's budget split).
+    The cost: the attention output's relative squared error, plus (``kl``) the KL divergence of the attention
+    weights from the exact ones — what coded keys do and coded values cannot: move the attention to other
+    rows. (Without it the first fit spent 2-bit keys where the mean output barely moved, and lost needles that
+    2-bit values keep; BENCHMARKS.md, "Host tier".)"""
     sums: dict[int, dict[str, dict[int, float]]] = {}
     count: dict[int, int] = {}
     with torch.no_grad():
@@ -61,14 +66,17 @@ def output_errors(samples: Sequence[dict[str, torch.Tensor]], spec: QuantSpec, b
                     q = sample[f"q.{layer}"][:, p].float().view(h, -1, d)
                     mass = sample[f"attn.{layer}"][:, p, :n].float().view(h, -1, n).sum(1)
                     chosen = mass.topk(budget, -1).indices
-                    exact = _attention(q, keys[:, :n], values[:, :n], chosen, scaling)
+                    exact, exact_logw = _attention(q, keys[:, :n], values[:, :n], chosen, scaling)
                     norm = exact.pow(2).sum().clamp_min(1e-12)
                     layer_sums = sums.setdefault(layer, {"keys": dict.fromkeys(bits, 0.0),
                                                          "values": dict.fromkeys(bits, 0.0)})
                     for (role, b), rows in coded.items():
                         k = rows[:, :n] if role == "keys" else keys[:, :n]
                         v = rows[:, :n] if role == "values" else values[:, :n]
-                        err = (_attention(q, k, v, chosen, scaling) - exact).pow(2).sum() / norm
+                        out, logw = _attention(q, k, v, chosen, scaling)
+                        err = (out - exact).pow(2).sum() / norm
+                        if kl:  # mean over the query heads of KL(exact || coded)
+                            err = err + (exact_logw.exp() * (exact_logw - logw)).sum(-1).mean()
                         layer_sums[role][b] += float(err)
                     count[layer] = count.get(layer, 0) + 1
     return {layer: {role: {b: e / count[layer] for b, e in r.items()} for role, r in roles.items()}
@@ -120,13 +128,13 @@ def _bits_per_value(spec: QuantSpec, role: str, head_dim: int, bits: int) -> flo
 
 
 def fit_host_bits(samples: Sequence[dict[str, Any]], host_format: str, target: float, budgets: Sequence[int],
-                  head_dim: int, rescore_bits: int) -> tuple[list[list[int]], dict[str, Any]]:
+                  head_dim: int, rescore_bits: int, kl: bool = True) -> tuple[list[list[int]], dict[str, Any]]:
     """``host_bits`` for an adapter (``budgets``: each compressed layer's rows) and what the fit measured."""
     spec = QuantSpec.parse(host_format)
     if spec is None:
         raise ConfigError("recipe key 'host_budget' needs a host_format (the layout its bits are fitted in), "
                           "e.g. host_format: kivi4")
-    errors = output_errors(samples, spec, budgets)
+    errors = output_errors(samples, spec, budgets, kl=kl)
     if not errors:
         raise ConfigError("the teacher cache has no query position past the layers' budgets: nothing to fit "
                           "host_budget on (longer samples: min_length)")

@@ -302,6 +302,9 @@ class SeKVRecipe(RecipeOptions):
     # (zoomkv.methods.sekv.host_bits; 0: host_format's bits in every layer)
     host_format: str = "none"
     host_budget: float = 0.0
+    # the fit's cost adds the attention weights' KL divergence to the output error (false: the output error alone,
+    # the first fit of BENCHMARKS.md's "Host tier")
+    host_fit_kl: bool = True
 
     def __post_init__(self) -> None:
         self.require("sinks", self.sinks >= 0, ">= 0")
@@ -364,7 +367,7 @@ class SeKVTraining(MethodTraining):
             return {}
         budgets = [round(recipe.budget * float(share)) for share in modules.layer_shares()]  # sekv's split
         pattern, report = fit_host_bits(samples, o.host_format, o.host_budget, budgets, modules.head_dim,
-                                        o.rescore_bits if o.rescore_from == "codes" else 0)
+                                        o.rescore_bits if o.rescore_from == "codes" else 0, kl=o.host_fit_kl)
         log.info("host bits fitted to %.3f of full KV (reached %.3f): %s", o.host_budget, report["host_share"],
                  " ".join(f"{k}/{v}" for k, v in pattern))
         return {"host_bits": pattern}
