@@ -71,9 +71,9 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
         coarse = decode(*encode(x, cfg.code_bits), cfg.code_bits)
         fine = decode(*encode(x, cfg.anchor_bits), cfg.anchor_bits)
         rescored = None
-        if cfg.rescore_from == "host":  # the second stage reads the keys themselves (the host tier's)
-            rescored = x
-        elif cfg.rescore_bits:
+        # rescore_from="host" rescores with the keys themselves at inference; training keeps the finer codes'
+        # estimate of that stage (they pick nearly the same rows), so the setting changes no trained weight
+        if cfg.rescore_bits:
             rescored = fine if cfg.rescore_bits == cfg.anchor_bits else decode(*encode(x, cfg.rescore_bits),
                                                                                cfg.rescore_bits)
     s = surprisal[:n].float()
