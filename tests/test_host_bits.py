@@ -111,3 +111,19 @@ def test_the_fit_charges_keys_for_moving_the_attention_and_values_only_for_the_o
     assert with_kl["values"] == without["values"]  # coded values leave the weights where they were
     assert with_kl["keys"][2] > without["keys"][2] > 0  # coded keys move them: charged for it
     assert without["keys"][2] > without["keys"][4] > without["keys"][8]
+
+
+def test_the_host_format_and_the_rescoring_source_change_no_trained_weight(tmp_path):
+    """The quickstart recipe carries its host format: the adapter it trains is the one trained without it,
+    with the format recorded (what BENCHMARKS measured by adding the format to the earlier adapter)."""
+    from safetensors.torch import load_file
+
+    common = ["--recipe", str(TINY), f"teacher_cache={tmp_path / 'teacher'}", "num_samples=2", "queries_per_sample=3",
+              "steps=3", "save_every=3"]
+    assert main([*common, f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert main([*common, f"output_dir={tmp_path / 'kivi'}", "host_format=kivi4", "rescore_from=host"]) == 0
+    plain = load_file(str(tmp_path / "plain" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    kivi = load_file(str(tmp_path / "kivi" / "sekv-tiny" / "adapter" / "adapter_model.safetensors"))
+    assert plain.keys() == kivi.keys() and all(torch.equal(plain[k], kivi[k]) for k in plain)
+    hyper = json.loads((tmp_path / "kivi" / "sekv-tiny" / "adapter" / "adapter_config.json").read_text())["hyper"]
+    assert hyper["host_format"] == "kivi4" and hyper["rescore_from"] == "host"
