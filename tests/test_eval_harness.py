@@ -195,7 +195,7 @@ def test_method_variants_parse_and_refuse():
     assert (quest.label, quest.cache.tail_summary, quest.cache.kv_quant.bits, quest.cache.kv_quant.tiers) == (
         "quest+tail+int8", True, 8, "host")
     assert (full.label, full.cache.kv_quant.bits, full.cache.kv_quant.tiers) == ("full+int4", 4, "all")
-    with pytest.raises(ZoomKVError, match=r"valid: \+tail, \+int8, \+int4"):
+    with pytest.raises(ZoomKVError, match=r"valid: \+tail, \+FORMAT \(int8, int4, int2"):
         split_variants("quest+fp8")
     with pytest.raises(ZoomKVError, match="one quantization"):
         split_variants("quest+int8+int4")

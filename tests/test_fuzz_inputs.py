@@ -223,7 +223,7 @@ GENERATE = cases(GEN, [
     ("prefill-chunk-huge", ["--prompt", PROMPT, *COMPRESS, "--prefill-chunk", "99999999999999999999"], None),
     ("prefill-chunk-abc", ["--prompt", PROMPT, "--prefill-chunk", "abc"], "invalid int"),
     ("prefill-chunk-ok", ["--prompt", PROMPT, *COMPRESS, "--prefill-chunk", "8"], "ok"),
-    ("kv-quant-bad", ["--prompt", PROMPT, "--kv-quant", "int3"], "invalid choice"),
+    ("kv-quant-bad", ["--prompt", PROMPT, "--kv-quant", "int3"], "unknown KV quantization"),
     ("kv-quant-ok", ["--prompt", PROMPT, *COMPRESS, "--kv-quant", "int4"], "ok"),
     ("kv-quant-all-tiers", ["--prompt", PROMPT, *COMPRESS, "--kv-quant", "int8", "--kv-quant-tiers", "all"],
      "kv-quant-tiers"),
