@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 from zoomkv.eval.plots import pareto_memory
@@ -25,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="zoomkv eval --out folders")
     parser.add_argument("--out", type=Path, required=True, help="folder for host_pareto.png and host_pareto.md")
+    parser.add_argument("--min-samples", type=int, default=20, help="plot configurations with this many samples a task")
     parser.add_argument("--points", type=Path, help="CSV of earlier runs' points: label,score,device,host (%% of full)")
     args = parser.parse_args()
     rows, seen = [], set()
@@ -33,15 +36,22 @@ def main() -> None:
         labels = {config_label(r) for r in run_rows}
         rows += [r for r in run_rows if config_label(r) not in seen]
         seen |= labels
+    tasks = {r["task"] for r in rows}
+    counts = Counter((config_label(r), r["task"]) for r in rows)
+    # the plot shows what may be claimed: configurations with every task at --min-samples; the table all
+    # "sekv:NAME@1a2b3c4d+kivi4" → "sekv:NAME+kivi4" in the legend (the table keeps the checksums)
+    plotted = [dict(r, method=re.sub(r"@[0-9a-f]{8}", "", r["method"])) for r in rows
+               if all(counts[(config_label(r), t)] >= args.min_samples for t in tasks)]
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(aggregate(rows), rows, {"command": "python scripts/host_pareto.py " + " ".join(map(str, args.runs))})
     if args.points:  # one pseudo-row a point: the plot averages rows, and one row is its own mean
         for line in csv.DictReader(x for x in args.points.read_text().splitlines() if not x.startswith("#")):
             if line["label"] in seen:
                 continue
-            rows.append({"method": line["label"], "budget": "128", "score": float(line["score"]),
-                         "device_bytes": float(line["device"]), "host_bytes": float(line["host"]), "full_kv_bytes": 100.0})
-    pareto_memory(rows, args.out, name="host_pareto.png")
+            plotted.append({"method": line["label"], "budget": "128", "score": float(line["score"]),
+                            "device_bytes": float(line["device"]), "host_bytes": float(line["host"]),
+                            "full_kv_bytes": 100.0})
+    pareto_memory(plotted, args.out, name="host_pareto.png")
     (args.out / "host_pareto.md").write_text(table)
     print(table)
 

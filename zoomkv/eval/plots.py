@@ -119,7 +119,8 @@ def pareto_memory(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[
         for i, rs in enumerate(points):
             total = 100 * statistics.fmean((r["device_bytes"] + r["host_bytes"]) / max(r["full_kv_bytes"], 1)
                                            for r in rs)
-            score = statistics.fmean(r["score"] for r in rs)
+            tasks = {r.get("task") for r in rs}  # each task weighs the same, as in the summary's avg
+            score = statistics.fmean(statistics.fmean(r["score"] for r in rs if r.get("task") == t) for t in tasks)
             ax.plot([total], [score], linestyle="", label=label if i == 0 else None, **styles[label])
             ax.annotate(f"{total:.0f}%", (total, score), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axvline(100, color="grey", linewidth=0.8, linestyle=":")
