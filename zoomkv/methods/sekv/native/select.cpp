@@ -513,13 +513,14 @@ struct HostRows {
     const int64_t groups = d / group;
     const uint16_t* sc = scale + at * groups;
     const uint16_t* mn = lo + at * groups;
-    if (bits == 8) {
-      for (int64_t i = 0; i < d; ++i) out[i] = float(c[i]) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
-      return;
-    }
-    for (int64_t i = 0; i < d; ++i) {
-      const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
-      out[i] = float(code) * half_to_float(sc[i / group]) + half_to_float(mn[i / group]);
+    for (int64_t g = 0; g < groups; ++g) {  // each group's scale and minimum converted once, not per channel
+      const float step = half_to_float(sc[g]), low = half_to_float(mn[g]);
+      const int64_t first = g * group, last = first + group;
+      if (bits == 8) {
+        for (int64_t i = first; i < last; ++i) out[i] = float(c[i]) * step + low;
+      } else {
+        for (int64_t i = first; i < last; ++i) out[i] = float((c[i / per] >> (bits * (i % per))) & mask) * step + low;
+      }
     }
   }
 };
