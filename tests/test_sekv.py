@@ -506,3 +506,13 @@ def test_rank_gates_and_quantization_compose(config, bits):
 def test_a_quantization_group_that_does_not_divide_the_head_is_refused(config):
     with pytest.raises(ConfigError, match="does not divide head_dim"):
         ZoomCache(config, "quest", 40, kv_quant="int8", kv_quant_group=6)
+
+
+def test_rescoring_from_the_host_keys_is_refused_where_rank_gates_cut_them(config):
+    keys, values, _ = _pointed_keys(t=200, target=70)
+    adapter = SeKVAdapter(4, H, D)
+    with torch.no_grad():
+        adapter.rank_gate[0, 0, 6:] = -1.0  # the host tier holds the keys' coordinates, not the keys
+    with pytest.raises(ConfigError, match="rescore_from=host"):
+        _memory(config, SeKV(adapter=adapter, rescore_from="host"), keys, values, torch.zeros(1, 200), budget=40)
+

@@ -339,6 +339,9 @@ class SeKV(RecallableMethod):
             store_host_rows(memory, ctx)
             return
         c = self.config
+        if keep_k is not None and c.rescore_from == "host":  # the rescoring would read coordinates as keys
+            raise ConfigError("sekv: rescore_from=host scores the host tier's keys, and this adapter's rank gates "
+                              "keep only some of their directions there: use rescore_from=codes with rank gates")
         host, dev = memory.host_tier, memory.device_tier
         b, _, t, _ = ctx.keys.shape
         fit = valid
@@ -555,7 +558,8 @@ class SeKV(RecallableMethod):
             vote = vote.masked_fill(~valid, float("-inf"))
         idx = vote.topk(m, dim=-1).indices
         if m > k and c.rescore_from == "host":
-            idx = self._rescore_host(memory, query, idx, torch.isinf(vote.gather(-1, idx)) & (vote.gather(-1, idx) > 0), k)
+            first = vote.gather(-1, idx)
+            idx = self._rescore_host(memory, query, idx, torch.isinf(first) & (first > 0), k)
         elif m > k:
             idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
         return idx.sort(dim=-1).values  # sequence order
