@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from zoomkv.eval.rows import GRID_TASK  # noqa: E402
 from zoomkv.eval.styles import method_styles  # noqa: E402
-from zoomkv.eval.summary import budget_order, config_label, task_order  # noqa: E402
+from zoomkv.eval.summary import budget_order, config_groups, config_label, task_order  # noqa: E402
 
 
 def _safe(name: str) -> str:
@@ -72,9 +72,7 @@ def pareto(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[str, An
     """Mean score over all rows against mean device-tier MiB per sequence; one line per method."""
     styles = styles or method_styles(rows)
     points: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[(config_label(r), r.get("budget") or "")].append(r)
+    groups = config_groups(rows)
     for (label, budget), rs in groups.items():
         mib = statistics.fmean(r["device_bytes"] for r in rs) / 2**20
         points[label].append((mib, statistics.fmean(r["score"] for r in rs), budget))
@@ -110,9 +108,7 @@ def pareto_memory(rows: list[dict[str, Any]], out: Path, styles: dict[str, dict[
     configuration and budget, so a method that holds little on the device but more than full KV on the host
     shows where it really stands."""
     styles = styles or method_styles(rows)
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[(config_label(r), r.get("budget") or "")].append(r)
+    groups = config_groups(rows)
     fig, ax = plt.subplots(figsize=(7.4 if len(groups) <= 8 else 10.0, 4.6))
     for label in [lbl for lbl in styles if any(key[0] == lbl for key in groups)]:
         points = [rs for (lbl, _), rs in groups.items() if lbl == label]

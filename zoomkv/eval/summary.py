@@ -53,11 +53,17 @@ def _sample_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["task"], row["length"], row.get("depth") if row["task"] == GRID_TASK else None, row["sample"])
 
 
-def aggregate(rows: list[dict[str, Any]], methods: list[str] | None = None) -> list[dict[str, Any]]:
-    full_decode = {_sample_key(r): r["decode_ms_per_token"] for r in rows if r["method"] == "full"}
+def config_groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The rows of each configuration and budget: ``{(config_label, budget or ""): rows}``, in row order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[(config_label(r), r.get("budget") or "")].append(r)
+    return groups
+
+
+def aggregate(rows: list[dict[str, Any]], methods: list[str] | None = None) -> list[dict[str, Any]]:
+    full_decode = {_sample_key(r): r["decode_ms_per_token"] for r in rows if r["method"] == "full"}
+    groups = config_groups(rows)
     tasks = task_order(rows)
     out = []
     for label, budget in config_order(rows, methods):

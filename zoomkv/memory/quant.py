@@ -53,6 +53,12 @@ class RowQuant:
     layout: str = "token"
     outliers: int = 0
 
+    def bits_per_value(self, width: int) -> float:
+        """Bits held per channel of a ``width``-wide row: the code, its share of the fp16 scale and minimum, and
+        of the exact channels (per token; KIVI's open block of exact rows not counted)."""
+        exact = 16 * self.outliers / width if self.layout == "token" else 0
+        return self.bits + 32 / self.group_size + exact
+
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -120,10 +126,6 @@ class QuantSpec:
             return RowQuant(kb, self.group_size, self.key_layout, self.outliers)
         return RowQuant(vb, self.group_size)
 
-    def bits_per_value(self, role: str, layer: int | None = None) -> float:
-        """Bits held per channel of a row, scales and minimums included (exact channels and rows not)."""
-        q = self.for_rows(role, layer)
-        return q.bits + 32 / q.group_size
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

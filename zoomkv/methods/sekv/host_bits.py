@@ -122,9 +122,7 @@ def fit_bits(errors: dict[int, dict[str, dict[int, float]]], spec: QuantSpec, ta
 
 
 def _bits_per_value(spec: QuantSpec, role: str, head_dim: int, bits: int) -> float:
-    """Bits held per channel: the code, its share of the fp16 scale and minimum, the exact channels'."""
-    q = spec.for_rows(role)
-    return bits + 32 / q.group_size + (16 * q.outliers / head_dim if role == "keys" and q.layout == "token" else 0)
+    return _role(spec, role, bits).bits_per_value(head_dim)
 
 
 def fit_host_bits(samples: Sequence[dict[str, Any]], host_format: str, target: float, budgets: Sequence[int],
