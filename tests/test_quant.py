@@ -7,9 +7,10 @@ import torch
 
 from tests.method_matrix import method_kwargs
 from zoomkv import ZoomCache
+from zoomkv import native as zoomkv_native
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
-from zoomkv.memory.quant import QuantizedRowBuffer, QuantSpec, dequantize, quantize
+from zoomkv.memory.quant import ROW_QUANTIZER, QuantizedRowBuffer, QuantSpec, dequantize, quantize
 from zoomkv.methods.sekv import native
 from zoomkv.models import load_model
 
@@ -210,3 +211,62 @@ def test_a_fitted_pattern_sets_each_layers_bits():
     assert spec.name == "fit25"
     with pytest.raises(ConfigError):
         QuantSpec(layers=((8, 3),))
+
+
+@pytest.mark.skipif(ROW_QUANTIZER.library() is None, reason="no C++ compiler: appends take the torch path")
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "k8v4"])
+@pytest.mark.parametrize("width", [64, 16])
+def test_compiled_append_codes_rows_bit_for_bit_as_torch(spec, width):
+    # Rows of every scale (large, tiny, a constant group, one outlier), one and several at a time, past the
+    # buffer's capacity: the compiled append's codes, scales and minimums equal quantize()'s exactly.
+    g = torch.Generator().manual_seed(width)
+    rows = [torch.randn(2, 3, 5, width, generator=g)]
+    for i in range(140):
+        r = torch.randn(2, 3, 1 + (i % 3 == 0) * 2, width, generator=g) * 10.0 ** ((i % 7) - 3)
+        if i % 11 == 0:
+            r[0, 1, 0, :] = 0.5  # a constant row: its scale clamps to 1e-8, which fp16 rounds to 0 (the torch path)
+        if i % 13 == 0:
+            r[1, 2, -1, 3] = 300.0
+        rows.append(r)
+    for role in ("keys", "values"):
+        spec_rows = QuantSpec.parse(spec).for_rows(role)
+        fast, ref = (QuantizedRowBuffer(rows[0], spec_rows) for _ in range(2))
+        with zoomkv_native.torch_path():
+            for r in rows[1:]:
+                ref.append(r)
+        for r in rows[1:]:
+            fast.append(r)
+        assert fast.length == ref.length == sum(r.shape[2] for r in rows)
+        for a, b in zip(fast.tensors(), ref.tensors(), strict=True):
+            assert torch.equal(a[:, :, : fast.length], b[:, :, : ref.length])
+        assert torch.equal(fast.view(), ref.view())
+
+
+def test_compiled_append_leaves_what_it_cannot_code_to_torch():
+    rows = torch.randn(1, 2, 4, 64)
+    spec = QuantSpec.parse("int4")
+    fast, ref = QuantizedRowBuffer(rows, spec), QuantizedRowBuffer(rows, spec)
+    bad = torch.randn(1, 2, 1, 64)
+    bad[0, 0, 0, 5] = float("inf")
+    fast.append(bad)
+    with zoomkv_native.torch_path():
+        ref.append(bad)
+    for a, b in zip(fast.tensors(), ref.tensors(), strict=True):
+        assert torch.equal(a[:, :, :5], b[:, :, :5])
+
+
+def test_without_a_compiler_appends_take_the_torch_path_and_say_so(monkeypatch):
+    monkeypatch.setattr(ROW_QUANTIZER, "_lib", None)
+    monkeypatch.setattr(ROW_QUANTIZER, "_failed", None)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(ROW_QUANTIZER, "_build", no_compiler)
+    rows, new = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 1, 64)
+    buf, ref = QuantizedRowBuffer(rows, QuantSpec.parse("int8")), QuantizedRowBuffer(rows, QuantSpec.parse("int8"))
+    with pytest.warns(RuntimeWarning, match="row quantizer could not be built.*torch path"):
+        buf.append(new)
+    with zoomkv_native.torch_path():
+        ref.append(new)
+    assert torch.equal(buf.view(), ref.view())

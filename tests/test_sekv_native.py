@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import greedy, load_tiny, max_logit_diff, padded_batch
 from zoomkv import ZoomCache
+from zoomkv import native as zoomkv_native
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.methods import get_method
 from zoomkv.methods.sekv import native
@@ -178,13 +180,13 @@ def test_generate_gives_the_same_text_with_and_without_the_kernel():
 
 
 def test_without_a_compiler_sekv_runs_the_torch_path_and_says_so(config, monkeypatch):
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_failed", None)
+    monkeypatch.setattr(native.KERNEL, "_lib", None)
+    monkeypatch.setattr(native.KERNEL, "_failed", None)
 
     def no_compiler():
         raise RuntimeError("Error building extension: c++: command not found")
 
-    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setattr(native.KERNEL, "_build", no_compiler)
     method = SeKV()
     memory, g = _memory(config, method, t=200, budget=40, seed=6)
     query = torch.randn(1, H * G, 1, D, generator=g)
@@ -218,3 +220,14 @@ def test_rescoring_from_the_host_keys_over_every_row_is_exact_top_k(config):
         vote[..., -16:] = float("inf")  # recent
         expected = vote.topk(47, -1).indices.sort(-1).values
         assert torch.equal(idx, expected)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists() or not zoomkv_native.openmp(),
+                    reason="OpenMP kernels are built where torch runs on libgomp (Linux)")
+def test_the_kernels_run_on_torchs_own_openmp_runtime():
+    # A second libgomp would bring a second thread pool spinning against torch's on the same cores.
+    native.library()
+    torch_lib = Path(torch.__file__).parent / "lib"
+    loaded = {Path(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.rstrip().endswith("/libgomp.so.1")}
+    assert loaded and all(path.parent == torch_lib for path in loaded)

@@ -21,13 +21,22 @@ quantized and only the rows a step needs are decoded.
 
 from __future__ import annotations
 
+import ctypes
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
+from zoomkv.native import Kernel, enabled
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+# new rows quantized per token, bit for bit as quantize(): QuantizedRowBuffer's append on CPU float32 rows
+ROW_QUANTIZER = Kernel(Path(__file__).with_name("quant.cpp"), "the compiled row quantizer", {
+    "zk_quant_rows": ([_I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _P, _I64, _P, _I64, _I64], ctypes.c_int),
+}, fast_math=False)
 
 BITS = (8, 4, 2)
 LAYOUTS = ("token", "channel")
@@ -267,6 +276,9 @@ class QuantizedRowBuffer(RowBuffer):
         return [self.codes.data, self.scale.data, self.lo.data, *extra]
 
     def append(self, rows: torch.Tensor) -> None:
+        if self.exact is None and not self.pad and self._append_native(rows):
+            self.length += rows.shape[2]
+            return
         if self.exact is not None:
             self.exact.append(self._outlier_values(rows).to(self.exact.data.device))
         codes, scale, lo = quantize(self._prepared(rows), self.bits, self.group)
@@ -274,6 +286,30 @@ class QuantizedRowBuffer(RowBuffer):
         self.scale.append(scale.to(self.scale.data.device))
         self.lo.append(lo.to(self.lo.data.device))
         self.length += rows.shape[2]
+
+    def _append_native(self, rows: torch.Tensor) -> bool:
+        """``quantize``'s codes of CPU float32 rows in one compiled pass, written straight into the buffers (a
+        decode step appends one row a layer, where the torch path's dozen ops cost more than the coding).
+        False, nothing appended, where it does not apply; the torch path then codes the rows."""
+        codes, scale, lo = self.codes, self.scale, self.lo
+        if rows.dtype != torch.float32 or not (rows.is_cpu and codes.data.is_cpu and enabled()):
+            return False
+        lib = ROW_QUANTIZER.library()
+        if lib is None:
+            return False
+        n, d = rows.shape[2], rows.shape[3]
+        for p in (codes, scale, lo):
+            p.reserve(n)
+        x = rows.contiguous()  # held in a name for the call
+        rc = lib.zk_quant_rows(x.shape[0] * x.shape[1], n, d, min(self.group, d), self.bits, x.data_ptr(),
+                               codes.data.data_ptr(), codes.capacity, scale.data.data_ptr(), scale.capacity,
+                               lo.data.data_ptr(), lo.capacity, codes.length)
+        if rc:
+            return False
+        codes.length += n
+        scale.length += n
+        lo.length += n
+        return True
 
     def view(self) -> torch.Tensor:
         return self._decoded(self.codes.view(), self.scale.view(), self.lo.view(),

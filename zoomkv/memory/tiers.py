@@ -54,6 +54,16 @@ class RowBuffer:
 
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[2]
+        self.reserve(n)
+        # Device→host copies stay blocking: the host tier is read on the CPU right after (scores,
+        # gathers), and an asynchronous copy into it could be read before it lands.
+        async_ok = self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned()
+        self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=async_ok)
+        self.length += n
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more rows after ``length`` (a writer that fills them in place then adds ``n`` to
+        ``length``)."""
         if self.length + n > self.capacity:
             grow = max(self.GROW_ROWS, self.capacity // 32, n)  # ≤ ~3% over, O(1) amortised
             shape = list(self.data.shape)
@@ -61,11 +71,6 @@ class RowBuffer:
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device, pin_memory=self.pinned)
             bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
             self.data = bigger
-        # Device→host copies stay blocking: the host tier is read on the CPU right after (scores,
-        # gathers), and an asynchronous copy into it could be read before it lands.
-        async_ok = self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned()
-        self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=async_ok)
-        self.length += n
 
 
 class Tier(dict):

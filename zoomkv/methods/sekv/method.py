@@ -595,26 +595,26 @@ class SeKV(RecallableMethod):
         h = dev["code_mean"].shape[1]
         b, _, _, d = query.shape
         q = group_query(query, h).reshape(b, -1, d)  # [b, h·g·q, d]: KV head i's group is rows i·g·q ...
-        gains = None if self.adapter is None else self._gains(memory.meta["layer"], h, d, query.device)
+        gains = None if self.adapter is None else memory.meta.get("native_gains")
+        if gains is None and self.adapter is not None:  # frozen for the cache's life: converted once, not per step
+            gains = memory.meta["native_gains"] = self._gains(memory.meta["layer"], h, d, query.device).float().contiguous()
         valid = host.get("valid")
         anchored = "anchor_pos" in dev
-        from_host = c.rescore_from == "host"
+        from_host = c.rescore_from == "host" and m > k
+        layout = native.host_rows(host["keys"]) if from_host and host["keys"].data.device.type == "cpu" else None
+        split = from_host and layout is None  # a host tier the kernel cannot read: its second stage in torch
         picked = native.select(
             q, dev["code_rotation"], gains, memory.meta["scaling"], dev["codes"].data, dev["code_rms"].data,
             c.code_bits, n, anchor_pos=dev["anchor_pos"] if anchored else None,
             anchor_codes=dev["anchor_codes"] if anchored else None, anchor_rms=dev["anchor_rms"] if anchored else None,
             anchor_bits=c.anchor_bits, valid=None if valid is None else valid.data[:, 0, :, 0],
-            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=m if from_host else k,
-            fine_codes=host["fine_codes"].data if m > k and not from_host else None,
-            fine_rms=host["fine_rms"].data if m > k and not from_host else None, fine_bits=c.rescore_bits)
-        if not from_host or m == k:
+            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=m if split else k,
+            fine_codes=host["fine_codes"].data if m > k and c.rescore_from != "host" else None,
+            fine_rms=host["fine_rms"].data if m > k and c.rescore_from != "host" else None, fine_bits=c.rescore_bits,
+            host_keys=layout)
+        if not split:
             return picked
-        forced = self._forced(memory, picked, n)
-        layout = native.host_rows(host["keys"])
-        if layout is None or host["keys"].data.device.type != "cpu":
-            return self._rescore_host(memory, query, picked, forced, k).sort(dim=-1).values
-        return native.rescore_host(q, memory.meta["scaling"], picked, forced,
-                                   None if valid is None else valid.data[:, 0, :, 0], layout, k)
+        return self._rescore_host(memory, query, picked, self._forced(memory, picked, n), k).sort(dim=-1).values
 
     def _recall_native(self, memory, idx: torch.Tensor) -> Selection | None:
         """The rows ``idx`` recalled (decoded when quantized) and the summary row after them in the recall

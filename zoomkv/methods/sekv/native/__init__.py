@@ -4,22 +4,14 @@ The torch path (``SeKV._pick`` / ``codes.encode``) is the reference and runs eve
 kernel does the same work per layer in one call, without the ``[g, n·bytes]`` gather, the softmax tensors
 and the sort of every row the torch path materialises (``BENCHMARKS.md``, "Decode speed").
 
-It is built once per machine on first use with the C++ compiler ``torch.utils.cpp_extension`` finds (a few
-seconds; cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), and called
-through ``ctypes``: plain C, no torch headers, nothing executes from a file. Without a compiler, or with
-``ZOOMKV_NATIVE=0``, sekv runs the torch path and says so once.
+It is built once per machine on first use and called through ``ctypes`` (``zoomkv.native``: plain C, nothing
+executes from a file); its loops over (sequence, KV head) run on torch's own OpenMP threads. Without a
+compiler, or with ``ZOOMKV_NATIVE=0``, sekv runs the torch path and says so once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import os
-import platform
-import threading
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +19,15 @@ import torch
 
 from zoomkv.memory.quant import ChannelQuantizedRowBuffer, QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer
+from zoomkv.native import Kernel, enabled, torch_path
 
 SOURCE = Path(__file__).with_name("select.cpp")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None
-_disabled = threading.local()
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# rows, capacity, bits (0: float32), scale, minimum, group; per channel (KIVI): 1, the blocks' capacity, the rows
+# coded, the exact newest rows and their number
+_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64, ctypes.c_int, _I64, _I64, _P, _I64]
+_NO_HOST = [None, 0, 0, None, None, 0, 0, 0, 0, None, 0]
 _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _P, _P, _P, _F32,  # query, rotation, gains, scaling
                 _P, _I64, ctypes.c_int, _P, _I64,  # codes, codes_cap, bits, rms, rms_cap
@@ -42,83 +35,19 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _P, _I64,  # valid, valid_cap
                 _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
                 _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
+                *_HOST,  # the host keys, when they rescore (rescore_from="host")
                 _P]  # out
-# rows, capacity, bits (0: float32), scale, minimum, group; per channel (KIVI): 1, the blocks' capacity, the rows
-# coded, the exact newest rows and their number
-_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64, ctypes.c_int, _I64, _I64, _P, _I64]
 _RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
-_RESCORE_ARGS = [_I64, _I64, _I64, _I64, _I64, _I64, _P, _F32, _P, _P, _P, _I64, *_HOST, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
 
 
-def _flags() -> list[str]:
-    # -ffast-math for the vectorised exp and sums (the selections are compared with the torch path's in the
-    # tests), but infinities kept: padding and forced rows are -inf/+inf.
-    flags = ["-O3", "-std=c++17", "-ffast-math", "-fno-finite-math-only"]
-    return flags + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-
-
-def _name() -> str:
-    """The build's name: the source, the flags and the machine it is compiled for (``-march=native``)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(_flags()).encode())
-    h.update(platform.machine().encode())
-    with contextlib.suppress(OSError):
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        h.update((flags[0] if flags else "").encode())
-    return f"zoomkv_sekv_{h.hexdigest()[:12]}"
-
-
-def _build() -> ctypes.CDLL:
-    from torch.utils import cpp_extension
-
-    path = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=_flags(), is_python_module=False,
-                              verbose=False)
-    lib = ctypes.CDLL(str(path))
-    lib.zk_sekv_select.argtypes, lib.zk_sekv_select.restype = _SELECT_ARGS, ctypes.c_int
-    lib.zk_sekv_codes.argtypes, lib.zk_sekv_codes.restype = _CODES_ARGS, ctypes.c_int
-    lib.zk_sekv_recall.argtypes, lib.zk_sekv_recall.restype = _RECALL_ARGS, ctypes.c_int
-    lib.zk_sekv_rescore_host.argtypes, lib.zk_sekv_rescore_host.restype = _RESCORE_ARGS, ctypes.c_int
-    return lib
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (and one warning) when it cannot be built."""
-    global _lib, _failed
-    if _lib is not None or _failed is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                _lib = _build()
-            except Exception as e:  # no compiler, no ninja, a read-only cache: the torch path does the same work
-                _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                warnings.warn(f"zoomkv: sekv's compiled CPU router could not be built ({_failed}); decoding uses "
-                              "the plain torch path, same selections, slower (set ZOOMKV_NATIVE=0 to skip the build)",
-                              RuntimeWarning, stacklevel=3)
-    return _lib
-
-
-def enabled() -> bool:
-    return os.environ.get("ZOOMKV_NATIVE", "1") != "0" and not getattr(_disabled, "on", False)
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether this step can take the kernel: enabled, CPU tensors, and the library built."""
-    if not enabled() or any(t.device.type != "cpu" for t in tensors):
-        return False
-    return library() is not None
-
-
-@contextlib.contextmanager
-def torch_path() -> Iterator[None]:
-    """Within this block (this thread), sekv takes the torch path: tests compare the two."""
-    before = getattr(_disabled, "on", False)
-    _disabled.on = True
-    try:
-        yield
-    finally:
-        _disabled.on = before
+KERNEL = Kernel(SOURCE, "sekv's compiled CPU router", {
+    "zk_sekv_select": (_SELECT_ARGS, ctypes.c_int),
+    "zk_sekv_codes": (_CODES_ARGS, ctypes.c_int),
+    "zk_sekv_recall": (_RECALL_ARGS, ctypes.c_int),
+})
+library, usable = KERNEL.library, KERNEL.usable
+__all__ = ["KERNEL", "enabled", "encode", "host_rows", "library", "recall", "select", "torch_path", "usable"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -142,10 +71,12 @@ def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | No
            codes: torch.Tensor, rms: torch.Tensor, bits: int, n: int, *,
            anchor_pos: torch.Tensor | None, anchor_codes: torch.Tensor | None, anchor_rms: torch.Tensor | None,
            anchor_bits: int, valid: torch.Tensor | None, sink_pos: torch.Tensor, recent: int, m: int, k: int,
-           fine_codes: torch.Tensor | None, fine_rms: torch.Tensor | None, fine_bits: int) -> torch.Tensor:
+           fine_codes: torch.Tensor | None, fine_rms: torch.Tensor | None, fine_bits: int,
+           host_keys: list | None = None) -> torch.Tensor:
     """``[b, h, k]`` long: the rows ``SeKV._pick`` picks, in sequence order. ``query`` ``[b, h·g, d]``;
     ``codes``/``rms``/``fine_*`` the row buffers' whole storage (``[b, h, capacity, ·]``, ``n`` rows filled);
-    ``valid`` ``[b, capacity]`` bool or None."""
+    ``valid`` ``[b, capacity]`` bool or None; ``host_keys`` (``host_rows`` of the host keys): the second stage
+    scores the candidates with them (``rescore_from="host"``) instead of the finer codes."""
     lib = library()
     assert lib is not None
     b, hq, d = query.shape
@@ -169,7 +100,7 @@ def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | No
         _ptr(None if fine_codes is None else _rows(fine_codes, d * fine_bits // 8)),
         0 if fine_codes is None else fine_codes.shape[2], _ptr(fine_rms),
         0 if fine_rms is None else fine_rms.shape[2], fine_bits if m > k else 0,
-        _ptr(out))
+        *(host_keys if host_keys is not None and m > k else _NO_HOST), _ptr(out))
     if rc:
         raise ValueError(f"sekv's native router refused k={k}, m={m}, n={n}")
     return out
@@ -241,23 +172,3 @@ def recall(idx: torch.Tensor, keys: list, values: list, dk: int, dv: int, valid:
     if rc:
         raise ValueError(f"sekv's native recall needs {k + 1} rows in the recall buffer, it has {out_keys.shape[2]}")
     return bias
-
-
-def rescore_host(query: torch.Tensor, scaling: float, cand: torch.Tensor, forced: torch.Tensor,
-                 valid: torch.Tensor | None, keys: list, k: int) -> torch.Tensor:
-    """``[b, h, k]`` long, in sequence order: of the candidates ``cand`` ``[b, h, m]``, the ``k`` rows
-    ``SeKV._rescore_host`` keeps, scored from the host keys (``host_rows`` of their buffer); ``query``
-    ``[b, h·g, d]``, ``forced`` ``[b, h, m]`` bool (sinks and recent rows: kept)."""
-    lib = library()
-    assert lib is not None
-    b, hq, d = query.shape
-    h, m = cand.shape[1], cand.shape[2]
-    out = torch.empty(b, h, k, dtype=torch.long)
-    v = _bytes(valid)
-    # held in names for the call: a temporary's memory could be freed before the kernel reads it
-    q, c, f = query.float().contiguous(), cand.contiguous(), forced.to(torch.uint8).contiguous()
-    rc = lib.zk_sekv_rescore_host(b, h, hq // h, d, m, k, _ptr(q), float(scaling), _ptr(c), _ptr(f), _ptr(v),
-                                  0 if v is None else v.shape[-1], *keys, _ptr(out))
-    if rc:
-        raise ValueError(f"sekv's native rescoring refused k={k} of m={m} candidates")
-    return out

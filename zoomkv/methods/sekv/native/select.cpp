@@ -13,7 +13,8 @@
 //   4. a softmax per query head over all rows, summed over the group: the vote;
 //   5. sinks and the newest rows forced in (+inf), padding out (-inf); the best m by vote (nth_element);
 //   6. when m > k, the candidates' finer host codes rescore them (a second table, a softmax over the m
-//      candidates), the forced rows stay forced, and the best k remain;
+//      candidates), or with rescore_from="host" the host tier's own keys, decoded as read; the forced rows
+//      stay forced, and the best k remain;
 //   7. the k row ids in sequence order.
 // zk_sekv_codes encodes new rows (centred, rotated, two code widths) like codes.py's encode.
 
@@ -29,58 +30,11 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
+
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ffu;
-      bits = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_half(float f) {  // round to nearest even, as torch's .to(float16)
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);
-  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
-  if (ax < 0x38800000u) {  // below the smallest normal half: a subnormal (or zero), in units of 2^-24
-    if (ax < 0x33000000u) return sign;  // under half the smallest subnormal
-    const uint32_t shift = 126 - (ax >> 23);  // 14..24
-    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
-    uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-    return sign | uint16_t(q);
-  }
-  uint32_t h = ((ax >> 13) - ((127 - 15) << 10));
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return sign | uint16_t(h);
-}
 
 float code_step(int bits) { return bits == 2 ? 0.9957f : bits == 4 ? 0.3352f : 0.0308f; }
 
@@ -268,8 +222,80 @@ class Scorer {
   std::vector<float> tables_, offset_, unpacked_, rms_;
 };
 
+// A host tier's rows as the recall reads them: float32, or int8 / int4 codes (two to a byte, the low nibble
+// first) with an fp16 scale and minimum per group of channels (zoomkv/memory/quant.py).
+struct HostRows {
+  const void* data;
+  int64_t cap;
+  int bits;  // 0: float32; else 8, 4 or 2-bit codes, packed 8 / bits to a byte (code j of a byte at bits j*bits)
+  const uint16_t* scale;
+  const uint16_t* lo;
+  int64_t group;      // per token: channels a scale covers; per channel: tokens a block covers
+  int channel;        // 0: scales per token and group of channels; 1: per channel and block of tokens (KIVI)
+  int64_t scale_cap;  // per channel: the blocks' capacity
+  int64_t coded;      // per channel: rows coded so far; the later ones are float32 in `residual`
+  const float* residual;
+  int64_t residual_cap;
+
+  // Ask for row `row` of (sequence, head) `bh` (its codes and scales) before reading it: rows a step reads are
+  // scattered over the tier, so issuing every row's loads first overlaps their latencies.
+  void prefetch(int64_t bh, int64_t row, int64_t d) const {
+    if (bits == 0 || (channel && row >= coded)) {
+      const float* at = bits == 0 ? static_cast<const float*>(data) + (bh * cap + row) * d
+                                  : residual + (bh * residual_cap + row - coded) * d;
+      for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(at + i);
+      return;
+    }
+    const int64_t at = bh * cap + row;
+    __builtin_prefetch(static_cast<const uint8_t*>(data) + at * (d * bits / 8));
+    if (!channel) {
+      __builtin_prefetch(scale + at * (d / group));
+      __builtin_prefetch(lo + at * (d / group));
+    }
+  }
+
+  // Row `row` of (sequence, head) `bh` as float32 into out[0..d).
+  void read(int64_t bh, int64_t row, int64_t d, float* out) const {
+    if (bits == 0) {
+      std::memcpy(out, static_cast<const float*>(data) + (bh * cap + row) * d, d * 4);
+      return;
+    }
+    if (channel && row >= coded) {
+      std::memcpy(out, residual + (bh * residual_cap + row - coded) * d, d * 4);
+      return;
+    }
+    const int64_t at = bh * cap + row;
+    const int per = 8 / bits;
+    const unsigned mask = (1u << bits) - 1u;
+    const uint8_t* c = static_cast<const uint8_t*>(data) + at * (d / per);
+    if (channel) {
+      const int64_t block = bh * scale_cap + row / group;
+      const uint16_t* sc = scale + block * d;
+      const uint16_t* mn = lo + block * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
+        out[i] = float(code) * half_to_float(sc[i]) + half_to_float(mn[i]);
+      }
+      return;
+    }
+    const int64_t groups = d / group;
+    const uint16_t* sc = scale + at * groups;
+    const uint16_t* mn = lo + at * groups;
+    for (int64_t g = 0; g < groups; ++g) {  // each group's scale and minimum converted once, not per channel
+      const float step = half_to_float(sc[g]), low = half_to_float(mn[g]);
+      const int64_t first = g * group, last = first + group;
+      if (bits == 8) {
+        for (int64_t i = first; i < last; ++i) out[i] = float(c[i]) * step + low;
+      } else {
+        for (int64_t i = first; i < last; ++i) out[i] = float((c[i / per] >> (bits * (i % per))) & mask) * step + low;
+      }
+    }
+  }
+};
+
+
 struct Scratch {
-  std::vector<float> qr, logits, vote, vote2, part;
+  std::vector<float> qr, logits, vote, vote2, part, rows;
   std::vector<int64_t> order, cand;
   std::vector<uint64_t> keys;
 };
@@ -296,6 +322,46 @@ void top_m(const float* vote, int64_t n, int64_t m, std::vector<uint64_t>& keys,
   for (int64_t i = 0; i < m; ++i) order[i] = int64_t(0xffffffffu - uint32_t(keys[i] & 0xffffffffu));
 }
 
+// Stage two from the host tier's own keys (rescore_from="host"): the m candidates cand[0..m) decoded from the
+// host rows and scored against the group's queries q [group, d] (unrotated: the host keys are the model's),
+// each query's softmax over the candidates summed per row as the vote; sinks and the newest rows (forced in
+// by position, as SeKV._forced finds them) stay in, padding stays out; the best k into dst (any order).
+// What SeKV._rescore_host computes.
+void rescore_host_rows(const HostRows& keys, int64_t bh, const float* q, int64_t group, int64_t d, float scaling,
+                       const int64_t* cand, int64_t m, int64_t k, int64_t n, int64_t recent, const int64_t* sinks,
+                       int64_t n_sinks, const uint8_t* valid_b, Scratch& s, int64_t* dst) {
+  s.rows.resize(m * d);
+  s.vote2.assign(m, 0.0f);
+  s.part.resize(m);
+  for (int64_t j = 0; j < m; ++j) keys.prefetch(bh, cand[j], d);
+  for (int64_t j = 0; j < m; ++j) keys.read(bh, cand[j], d, s.rows.data() + j * d);
+  float* l = s.part.data();
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * d;
+    float top = -kInf;
+    for (int64_t j = 0; j < m; ++j) {
+      const float* r = s.rows.data() + j * d;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d; ++i) acc += qg[i] * r[i];
+      l[j] = acc * scaling;
+      top = std::max(top, l[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < m; ++j) total += (l[j] = exp_nonpositive(l[j] - top));
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < m; ++j) s.vote2[j] += l[j] * inv;
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t row = cand[j];
+    bool forced = recent > 0 && row >= n - recent;
+    for (int64_t i = 0; i < n_sinks && !forced; ++i) forced = sinks[i] == row;
+    if (forced) s.vote2[j] = kInf;
+    else if (valid_b && !valid_b[row]) s.vote2[j] = -kInf;
+  }
+  top_m(s.vote2.data(), m, k, s.keys, s.order);
+  for (int64_t j = 0; j < k; ++j) dst[j] = cand[s.order[j]];
+}
+
 }  // namespace
 
 extern "C" {
@@ -314,19 +380,27 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
                    int64_t recent, int64_t m, int64_t k,
                    const uint8_t* fine_codes, int64_t fine_cap,        // [batch, heads, fine_cap, d * fine_bits / 8]
                    const uint16_t* fine_rms, int64_t fine_rms_cap, int fine_bits,
+                   // rescore_from="host": the host keys (HostRows' fields; data null: the finer codes rescore)
+                   const void* keys, int64_t keys_cap, int key_bits, const uint16_t* key_scale,
+                   const uint16_t* key_lo, int64_t key_group, int key_channel, int64_t key_scale_cap,
+                   int64_t key_coded, const float* key_residual, int64_t key_residual_cap,
                    int64_t* out) {                                     // [batch, heads, k]
   if (k > m || m > n || k < 1) return 1;
-  Scratch& s = scratch();
-  s.qr.resize(group * d);
-  s.logits.resize(group * n);
-  s.vote.resize(n);
-  s.vote2.resize(m);
-  s.part.resize(group);
-
-  for (int64_t b = 0; b < batch; ++b) {
+  const HostRows host_keys{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
+                           key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
+  // One (sequence, KV head) a task, over torch's own OpenMP threads (the library links the libgomp torch
+  // loaded): the heads are independent, so the selection is the same at any thread count.
+#pragma omp parallel for schedule(dynamic, 1) if (batch * heads > 1)
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    const int64_t b = bh / heads, h = bh % heads;
     const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t bh = b * heads + h;
+    Scratch& s = scratch();
+    s.qr.resize(group * d);
+    s.logits.resize(group * n);
+    s.vote.resize(n);
+    s.vote2.resize(m);
+    s.part.resize(group);
+    {
       // 1. the group's queries, rotated and weighted
       for (int64_t g = 0; g < group; ++g) {
         const float* q = query + (bh * group + g) * d;
@@ -381,7 +455,11 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
           if (!valid_b[r]) s.vote[r] = -kInf;
       top_m(s.vote.data(), n, m, s.keys, s.order);
       int64_t* dst = out + bh * k;
-      if (m > k) {
+      if (m > k && keys) {
+        s.cand.assign(s.order.begin(), s.order.end());
+        rescore_host_rows(host_keys, bh, query + bh * group * d, group, d, scaling, s.cand.data(), m, k, n, recent,
+                          sp, sinks, valid_b, s, dst);
+      } else if (m > k) {
         // 6. the candidates rescored with their finer host codes (padding is not masked here: the torch path's
         // softmax over the candidates does not mask it either; it stays out through its -inf first-stage vote)
         Scorer scorer(s.qr.data(), group, d, fine_bits);
@@ -469,63 +547,6 @@ int zk_sekv_codes(int64_t batch, int64_t heads, int64_t rows, int64_t d,
 
 }  // extern "C"
 
-namespace {
-
-// A host tier's rows as the recall reads them: float32, or int8 / int4 codes (two to a byte, the low nibble
-// first) with an fp16 scale and minimum per group of channels (zoomkv/memory/quant.py).
-struct HostRows {
-  const void* data;
-  int64_t cap;
-  int bits;  // 0: float32; else 8, 4 or 2-bit codes, packed 8 / bits to a byte (code j of a byte at bits j*bits)
-  const uint16_t* scale;
-  const uint16_t* lo;
-  int64_t group;      // per token: channels a scale covers; per channel: tokens a block covers
-  int channel;        // 0: scales per token and group of channels; 1: per channel and block of tokens (KIVI)
-  int64_t scale_cap;  // per channel: the blocks' capacity
-  int64_t coded;      // per channel: rows coded so far; the later ones are float32 in `residual`
-  const float* residual;
-  int64_t residual_cap;
-
-  // Row `row` of (sequence, head) `bh` as float32 into out[0..d).
-  void read(int64_t bh, int64_t row, int64_t d, float* out) const {
-    if (bits == 0) {
-      std::memcpy(out, static_cast<const float*>(data) + (bh * cap + row) * d, d * 4);
-      return;
-    }
-    if (channel && row >= coded) {
-      std::memcpy(out, residual + (bh * residual_cap + row - coded) * d, d * 4);
-      return;
-    }
-    const int64_t at = bh * cap + row;
-    const int per = 8 / bits;
-    const unsigned mask = (1u << bits) - 1u;
-    const uint8_t* c = static_cast<const uint8_t*>(data) + at * (d / per);
-    if (channel) {
-      const int64_t block = bh * scale_cap + row / group;
-      const uint16_t* sc = scale + block * d;
-      const uint16_t* mn = lo + block * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
-        out[i] = float(code) * half_to_float(sc[i]) + half_to_float(mn[i]);
-      }
-      return;
-    }
-    const int64_t groups = d / group;
-    const uint16_t* sc = scale + at * groups;
-    const uint16_t* mn = lo + at * groups;
-    for (int64_t g = 0; g < groups; ++g) {  // each group's scale and minimum converted once, not per channel
-      const float step = half_to_float(sc[g]), low = half_to_float(mn[g]);
-      const int64_t first = g * group, last = first + group;
-      if (bits == 8) {
-        for (int64_t i = first; i < last; ++i) out[i] = float(c[i]) * step + low;
-      } else {
-        for (int64_t i = first; i < last; ++i) out[i] = float((c[i / per] >> (bits * (i % per))) & mask) * step + low;
-      }
-    }
-  }
-};
-
-}  // namespace
 
 extern "C" {
 
@@ -553,11 +574,12 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
                           key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
   const HostRows value_rows{values, values_cap, value_bits, value_scale, value_lo, value_group,
                             value_channel, value_scale_cap, value_coded, value_residual, value_residual_cap};
-  std::vector<float> sk(dk), sv(dv);
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t bh = b * heads + h;
+#pragma omp parallel for schedule(dynamic, 1) if (batch * heads > 1)
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    const int64_t h = bh % heads;
+    const uint8_t* valid_b = valid ? valid + (bh / heads) * valid_cap : nullptr;
+    {
+      std::vector<float> sk(dk), sv(dv);
       const int64_t* rows = idx + bh * k;
       float* ok = out_keys + bh * out_cap * dk;
       float* ov = out_values + bh * out_cap * dv;
@@ -565,6 +587,10 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
       std::fill(sk.begin(), sk.end(), 0.0f);
       std::fill(sv.begin(), sv.end(), 0.0f);
       float chosen = 0.0f;
+      for (int64_t i = 0; i < k; ++i) {
+        key_rows.prefetch(bh, rows[i], dk);
+        value_rows.prefetch(bh, rows[i], dv);
+      }
       for (int64_t i = 0; i < k; ++i) {
         float* kr = ok + i * dk;
         float* vr = ov + i * dv;
@@ -589,60 +615,5 @@ int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t 
   return 0;
 }
 
-
-// Stage two from the host tier's own keys (rescore_from="host"): the m candidates cand[b, h, :m] (stage one's,
-// any order) decoded from the host rows and scored against every query of the group, exp(logit - max) summed
-// per row as the vote; forced rows (sinks, recent: forced != 0) stay in, padding stays out; the best k in
-// sequence order into out[b, h, :k]. What SeKV._rescore_host computes.
-int zk_sekv_rescore_host(int64_t batch, int64_t heads, int64_t group, int64_t d, int64_t m, int64_t k,
-                         const float* query,                                   // [batch, heads * group, d]
-                         float scaling, const int64_t* cand, const uint8_t* forced,  // [batch, heads, m]
-                         const uint8_t* valid, int64_t valid_cap,             // [batch, valid_cap] or null
-                         const void* keys, int64_t keys_cap, int key_bits,
-                         const uint16_t* key_scale, const uint16_t* key_lo, int64_t key_group,
-                         int key_channel, int64_t key_scale_cap, int64_t key_coded, const float* key_residual,
-                         int64_t key_residual_cap,
-                         int64_t* out) {                                       // [batch, heads, k]
-  if (k > m) return 1;
-  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
-                          key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
-  std::vector<float> rows(m * d), logits(m), vote(m);
-  std::vector<uint64_t> order_keys;
-  std::vector<int64_t> order;
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t bh = b * heads + h;
-      const int64_t* c = cand + bh * m;
-      for (int64_t j = 0; j < m; ++j) key_rows.read(bh, c[j], d, rows.data() + j * d);
-      std::fill(vote.begin(), vote.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = query + ((b * heads + h) * group + g) * d;
-        float top = -kInf;
-        for (int64_t j = 0; j < m; ++j) {
-          const float* r = rows.data() + j * d;
-          float acc = 0.0f;
-          for (int64_t i = 0; i < d; ++i) acc += q[i] * r[i];
-          logits[j] = acc * scaling;
-          top = std::max(top, logits[j]);
-        }
-        float total = 0.0f;
-        for (int64_t j = 0; j < m; ++j) total += (logits[j] = std::exp(logits[j] - top));
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < m; ++j) vote[j] += logits[j] * inv;
-      }
-      const uint8_t* f = forced + bh * m;
-      for (int64_t j = 0; j < m; ++j) {
-        if (f[j]) vote[j] = kInf;
-        else if (valid_b && !valid_b[c[j]]) vote[j] = -kInf;
-      }
-      top_m(vote.data(), m, k, order_keys, order);
-      int64_t* dst = out + bh * k;
-      for (int64_t j = 0; j < k; ++j) dst[j] = c[order[j]];
-      std::sort(dst, dst + k);
-    }
-  }
-  return 0;
-}
 
 }  // extern "C"
