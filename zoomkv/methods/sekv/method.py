@@ -466,6 +466,8 @@ class SeKV(RecallableMethod):
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        if not memory.meta["low_rank"] and native.usable(key) and self._append_native(memory, key, value):
+            return
         if memory.meta["low_rank"]:
             host = memory.host_tier
             first = host_length(memory)
@@ -494,6 +496,31 @@ class SeKV(RecallableMethod):
             memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
             append_tail(memory, key, value, prefix=TAIL)
+
+    def _append_native(self, memory, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """``append`` in one compiled call (``native.append``): the codes, float32 host rows and the summary
+        row's sums written in place; a quantized host tier codes its rows in its own call. False, nothing
+        appended, where the buffers are not what the kernel writes (another dtype, low-rank rows)."""
+        dev, host, c = memory.device_tier, memory.host_tier, self.config
+        if key.dtype != torch.float32 or value.dtype != torch.float32:
+            return False
+        sums = None
+        if c.summary_row:
+            sums = tuple(dev[f"{TAIL}_{name}"] for name in ("key_sum", "value_sum", "count"))
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in sums):
+                return False
+        exact = [type(host[name]) is RowBuffer and host[name].data.dtype == torch.float32 for name in ("keys", "values")]
+        fine = c.rescore_bits if c.rescore_from == "codes" else 0
+        key, value = key.contiguous(), value.contiguous()
+        for name, done in zip(("keys", "values"), exact, strict=True):
+            if not done:  # a quantized tier: its own compiled coder (memory/quant.cpp)
+                host[name].append(key if name == "keys" else value)
+        native.append(key, value, dev["code_mean"], dev["code_rotation"], c.code_bits, dev["codes"], dev["code_rms"],
+                      fine, host["fine_codes"] if fine else None, host["fine_rms"] if fine else None,
+                      host["keys"] if exact[0] else None, host["values"] if exact[1] else None, sums)
+        if "valid" in host:  # generated rows are real tokens
+            host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
+        return True
 
     def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.append(memory, keys, values)  # one code per row, all at once: the same as one by one

@@ -39,15 +39,21 @@ _SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
                 _P]  # out
 _RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
 _CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
+_APPEND_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, _P,  # batch, heads, rows, d, keys, values, mean, rotation
+                ctypes.c_int, _P, _I64, _P, _I64,  # bits, codes and rms with their capacities
+                ctypes.c_int, _P, _I64, _P, _I64, _I64,  # the finer codes the same, the index's first new row
+                _P, _I64, _P, _I64, _I64,  # float32 host keys and values (or null) and their first new row
+                _P, _P, _P]  # the summary row's sums and count (or null)
 
 
 KERNEL = Kernel(SOURCE, "sekv's compiled CPU router", {
     "zk_sekv_select": (_SELECT_ARGS, ctypes.c_int),
     "zk_sekv_codes": (_CODES_ARGS, ctypes.c_int),
     "zk_sekv_recall": (_RECALL_ARGS, ctypes.c_int),
+    "zk_sekv_append": (_APPEND_ARGS, ctypes.c_int),
 })
 library, usable = KERNEL.library, KERNEL.usable
-__all__ = ["KERNEL", "enabled", "encode", "host_rows", "library", "recall", "select", "torch_path", "usable"]
+__all__ = ["KERNEL", "append", "enabled", "encode", "host_rows", "library", "recall", "select", "torch_path", "usable"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -120,9 +126,44 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
     rms = torch.empty(b, h, t, 1, dtype=torch.float16)
     fine = torch.empty(b, h, t, d * fine_bits // 8, dtype=torch.uint8) if fine_bits else None
     fine_rms = torch.empty(b, h, t, 1, dtype=torch.float16) if fine_bits else None
-    lib.zk_sekv_codes(b, h, t, d, _ptr(x), _ptr(mu), _ptr(rot), bits, _ptr(codes), _ptr(rms),
-                      fine_bits, _ptr(fine), _ptr(fine_rms))
+    if lib.zk_sekv_codes(b, h, t, d, _ptr(x), _ptr(mu), _ptr(rot), bits, _ptr(codes), _ptr(rms),
+                         fine_bits, _ptr(fine), _ptr(fine_rms)):
+        raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {d}")
     return codes, rms, fine, fine_rms
+
+
+def _room(buf: RowBuffer | None, n: int) -> tuple[int | None, int]:
+    """A float32 / code buffer made ready for ``n`` rows in place: its storage pointer and capacity."""
+    if buf is None:
+        return None, 0
+    buf.reserve(n)
+    if not buf.data.is_contiguous():  # a view a prefill stored: copied once, then grown contiguous
+        buf.data = buf.data.contiguous()
+    return buf.data.data_ptr(), buf.capacity
+
+
+def append(keys: torch.Tensor, values: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits: int,
+           codes: RowBuffer, rms: RowBuffer, fine_bits: int, fine: RowBuffer | None, fine_rms: RowBuffer | None,
+           host_keys: RowBuffer | None, host_values: RowBuffer | None,
+           sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """New rows ``keys``/``values`` ``[b, h, t, d]`` (contiguous float32) into sekv's buffers in one call: their
+    codes into ``codes``/``rms`` (and ``fine``/``fine_rms`` at ``fine_bits``), the rows into float32 host
+    buffers ``host_keys``/``host_values`` (None: the caller appends them), and the summary row's running
+    ``sums`` (key sum, value sum, count: contiguous float32, added to in place). What ``SeKV.append`` does."""
+    lib = library()
+    assert lib is not None
+    b, h, t, d = keys.shape
+    mean, rotation = mean.float().contiguous(), rotation.float().contiguous()  # held in names for the call
+    start, host_start = codes.length, (host_keys or host_values or codes).length
+    rows = [_room(buf, t) for buf in (codes, rms, fine, fine_rms, host_keys, host_values)]
+    rc = lib.zk_sekv_append(b, h, t, d, _ptr(keys), _ptr(values), _ptr(mean), _ptr(rotation),
+                            bits, *rows[0], *rows[1], fine_bits, *rows[2], *rows[3], start,
+                            *rows[4], *rows[5], host_start, *(_ptr(s) for s in (sums or (None, None, None))))
+    if rc:
+        raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {d}")
+    for buf in (codes, rms, fine, fine_rms, host_keys, host_values):
+        if buf is not None:
+            buf.length += t
 
 
 def host_rows(buf: Any) -> list | None:

@@ -362,6 +362,62 @@ void rescore_host_rows(const HostRows& keys, int64_t bh, const float* q, int64_t
   for (int64_t j = 0; j < k; ++j) dst[j] = cand[s.order[j]];
 }
 
+// Where a row's codes go: per width, the codes and fp16 RMS buffers and their capacities in rows
+// ([batch * heads, capacity, ·]); bits = 0: that width is not kept.
+struct RowCodes {
+  int bits1;
+  uint8_t* codes1;
+  int64_t codes1_cap;
+  uint16_t* rms1;
+  int64_t rms1_cap;
+  int bits2;
+  uint8_t* codes2;
+  int64_t codes2_cap;
+  uint16_t* rms2;
+  int64_t rms2_cap;
+};
+
+// One key's codes, as codes.py's encode of (key - mean) @ rotation, into row `row` of (sequence, head) `bh`.
+void encode_row(const float* key, const float* mu, const float* rotation, int64_t d, const RowCodes& out, int64_t bh,
+                int64_t row) {
+  float x[512];  // head_dim <= 512 (checked by the caller)
+  for (int64_t c = 0; c < d; ++c) x[c] = 0.0f;
+  for (int64_t j = 0; j < d; ++j) {
+    const float kj = key[j] - mu[j];
+    const float* rot = rotation + j * d;
+    for (int64_t c = 0; c < d; ++c) x[c] += kj * rot[c];
+  }
+  float ss = 0.0f;
+  for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
+  const float rms = std::sqrt(ss / float(d));
+  const float denom = std::max(rms, 1e-12f);
+  for (int w = 0; w < 2; ++w) {
+    const int bits = w == 0 ? out.bits1 : out.bits2;
+    if (!bits) continue;
+    const int64_t nbytes = d * bits / 8;
+    uint8_t* dst = (w == 0 ? out.codes1 + (bh * out.codes1_cap + row) * nbytes
+                           : out.codes2 + (bh * out.codes2_cap + row) * nbytes);
+    (w == 0 ? out.rms1[bh * out.rms1_cap + row] : out.rms2[bh * out.rms2_cap + row]) = float_to_half(rms);
+    const int per_byte = 8 / bits, half = 1 << (bits - 1);
+    const float step = bits == 1 ? 1.0f : code_step(bits);
+    for (int64_t j = 0; j < nbytes; ++j) {
+      unsigned byte = 0;
+      for (int i = 0; i < per_byte; ++i) {
+        const float z = x[j * per_byte + i] / denom;
+        int idx;
+        if (bits == 1) {
+          idx = z > 0.0f;
+        } else {
+          idx = int(std::floor(z / step));
+          idx = std::min(std::max(idx, -half), half - 1) + half;
+        }
+        byte |= unsigned(idx) << (bits * i);
+      }
+      dst[j] = uint8_t(byte);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -494,52 +550,51 @@ int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64
   return 0;
 }
 
-// New rows' codes, as codes.py's encode of (keys - mean) @ rotation, at two widths (bits2 = 0: one).
+// New rows' codes, as codes.py's encode of (keys - mean) @ rotation, at two widths (bits2 = 0: one):
+// codes1 [batch, heads, rows, d * bits1 / 8] and rms1 [batch, heads, rows, 1] fp16 (codes2 / rms2 the same).
 int zk_sekv_codes(int64_t batch, int64_t heads, int64_t rows, int64_t d,
                   const float* keys,      // [batch, heads, rows, d]
                   const float* mean,      // [batch, heads, d]
                   const float* rotation,  // [d, d]
-                  int bits1, uint8_t* codes1, uint16_t* rms1,  // [batch, heads, rows, d * bits1 / 8], [.., 1]
-                  int bits2, uint8_t* codes2, uint16_t* rms2) {
-  std::vector<float> x(d);
+                  int bits1, uint8_t* codes1, uint16_t* rms1, int bits2, uint8_t* codes2, uint16_t* rms2) {
+  if (d > 512) return 1;
+  const RowCodes out{bits1, codes1, rows, rms1, rows, bits2, codes2, rows, rms2, rows};
+  for (int64_t bh = 0; bh < batch * heads; ++bh)
+    for (int64_t r = 0; r < rows; ++r) encode_row(keys + (bh * rows + r) * d, mean + bh * d, rotation, d, out, bh, r);
+  return 0;
+}
+
+// A decode step's new rows into every buffer sekv keeps, in one pass (what SeKV.append does in torch): their
+// codes (and finer codes) written at row `start` of the index buffers, the rows themselves at row
+// `host_start` of float32 host tiers (null: the caller appends them, a quantized tier), and the summary
+// row's running sums and count. Buffers are [batch, heads, capacity, ·] with room for the rows.
+int zk_sekv_append(int64_t batch, int64_t heads, int64_t rows, int64_t d,
+                   const float* keys, const float* values,  // [batch, heads, rows, d]
+                   const float* mean, const float* rotation,
+                   int bits1, uint8_t* codes1, int64_t codes1_cap, uint16_t* rms1, int64_t rms1_cap,
+                   int bits2, uint8_t* codes2, int64_t codes2_cap, uint16_t* rms2, int64_t rms2_cap, int64_t start,
+                   float* host_keys, int64_t host_keys_cap, float* host_values, int64_t host_values_cap,
+                   int64_t host_start,
+                   float* key_sum, float* value_sum, float* count) {  // [batch, heads, d] x 2, [batch, heads] or null
+  if (d > 512) return 1;
+  const RowCodes out{bits1, codes1, codes1_cap, rms1, rms1_cap, bits2, codes2, codes2_cap, rms2, rms2_cap};
+  std::vector<float> ks(d), vs(d);
   for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    const float* mu = mean + bh * d;
+    std::fill(ks.begin(), ks.end(), 0.0f);
+    std::fill(vs.begin(), vs.end(), 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = bh * rows + r;
-      const float* key = keys + at * d;
-      for (int64_t c = 0; c < d; ++c) x[c] = 0.0f;
-      for (int64_t j = 0; j < d; ++j) {
-        const float kj = key[j] - mu[j];
-        const float* row = rotation + j * d;
-        for (int64_t c = 0; c < d; ++c) x[c] += kj * row[c];
-      }
-      float ss = 0.0f;
-      for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
-      const float rms = std::sqrt(ss / float(d));
-      const float denom = std::max(rms, 1e-12f);
-      for (int w = 0; w < 2; ++w) {
-        const int bits = w == 0 ? bits1 : bits2;
-        if (!bits) continue;
-        uint8_t* out = (w == 0 ? codes1 : codes2) + at * (d * bits / 8);
-        (w == 0 ? rms1 : rms2)[at] = float_to_half(rms);
-        const int per_byte = 8 / bits, half = 1 << (bits - 1);
-        const float step = bits == 1 ? 1.0f : code_step(bits);
-        for (int64_t j = 0; j < d / per_byte; ++j) {
-          unsigned byte = 0;
-          for (int i = 0; i < per_byte; ++i) {
-            const float z = x[j * per_byte + i] / denom;
-            int idx;
-            if (bits == 1) {
-              idx = z > 0.0f;
-            } else {
-              idx = int(std::floor(z / step));
-              idx = std::min(std::max(idx, -half), half - 1) + half;
-            }
-            byte |= unsigned(idx) << (bits * i);
-          }
-          out[j] = uint8_t(byte);
-        }
-      }
+      const float* key = keys + (bh * rows + r) * d;
+      const float* value = values + (bh * rows + r) * d;
+      encode_row(key, mean + bh * d, rotation, d, out, bh, start + r);
+      if (host_keys) std::memcpy(host_keys + (bh * host_keys_cap + host_start + r) * d, key, d * 4);
+      if (host_values) std::memcpy(host_values + (bh * host_values_cap + host_start + r) * d, value, d * 4);
+      for (int64_t c = 0; c < d; ++c) ks[c] += key[c];
+      for (int64_t c = 0; c < d; ++c) vs[c] += value[c];
+    }
+    if (key_sum) {  // the rows' sum first, then added: as torch's sum += rows.sum(2)
+      for (int64_t c = 0; c < d; ++c) key_sum[bh * d + c] += ks[c];
+      for (int64_t c = 0; c < d; ++c) value_sum[bh * d + c] += vs[c];
+      count[bh] += float(rows);
     }
   }
   return 0;
