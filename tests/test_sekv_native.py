@@ -212,8 +212,8 @@ def test_rescoring_from_the_host_keys_over_every_row_is_exact_top_k(config):
     query = torch.randn(1, H * G, 1, D, generator=g) * 2
     for torch_path in (True, False):
         with native.torch_path() if torch_path else contextlib.nullcontext():
-            idx = method._pick(memory, query, 300, 300, 47) if torch_path else \
-                method._pick_native(memory, query, 300, 300, 47)
+            # every one of the 300 rows a candidate (64 x 48), 47 kept beside the summary row
+            idx = method._pick(memory, query, 300, 300, 47) if torch_path else method._native_layer(memory).step(query)
         keys = memory.host_tier["keys"].view()
         vote = torch.softmax(torch.matmul(query.view(1, H, G, D), keys.transpose(-1, -2)) * D**-0.5, -1).sum(2)
         vote[..., :4] = float("inf")  # sinks

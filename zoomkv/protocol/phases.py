@@ -47,6 +47,11 @@ class phase:
             _clock.totals[self.name] += time.perf_counter() - self.start
 
 
+def clock_running() -> bool:
+    """Whether a clock runs: a fused kernel then times its parts as separate calls."""
+    return _clock is not None
+
+
 @contextmanager
 def measuring(clock: PhaseClock) -> Iterator[PhaseClock]:
     global _clock

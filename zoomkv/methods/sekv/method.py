@@ -62,6 +62,7 @@ from zoomkv.protocol.recallable import (
 )
 
 TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
+NATIVE = "native_layer"  # memory.meta: the layer's compiled step, laid out after the prefill
 HOST_KEY_BASES = ("pre_rope", "post_rope")
 RESCORE_SOURCES = ("codes", "host")
 
@@ -301,6 +302,7 @@ class SeKV(RecallableMethod):
         first = valid.float().argmax(1, keepdim=True)
         dev["sink_pos"] = (first + torch.arange(c.sinks, device=keys.device)).clamp_max(t - 1)
         memory.meta.update(budget=budget, scaling=ctx.scaling, layer=layer)
+        memory.meta.pop(NATIVE, None)  # a new prefill: the compiled step is laid out again
         if c.rescore_bits and c.rescore_from == "codes":
             # The finer codes live on the host tier beside the rows; a step copies only its candidates' codes
             # into a fixed device buffer (counted in the device tier's bytes).
@@ -466,8 +468,12 @@ class SeKV(RecallableMethod):
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        if not memory.meta["low_rank"] and native.usable(key) and self._append_native(memory, key, value):
-            return
+        if (not memory.meta["low_rank"] and key.dtype == value.dtype == torch.float32 and native.usable(key)
+                and key.shape[-1] == memory.key_dim and value.shape[-1] == memory.value_dim):
+            plan = self._native_layer(memory)
+            if plan.appends:
+                plan.append(key, value)
+                return
         if memory.meta["low_rank"]:
             host = memory.host_tier
             first = host_length(memory)
@@ -496,31 +502,6 @@ class SeKV(RecallableMethod):
             memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
             append_tail(memory, key, value, prefix=TAIL)
-
-    def _append_native(self, memory, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """``append`` in one compiled call (``native.append``): the codes, float32 host rows and the summary
-        row's sums written in place; a quantized host tier codes its rows in its own call. False, nothing
-        appended, where the buffers are not what the kernel writes (another dtype, low-rank rows)."""
-        dev, host, c = memory.device_tier, memory.host_tier, self.config
-        if key.dtype != torch.float32 or value.dtype != torch.float32:
-            return False
-        sums = None
-        if c.summary_row:
-            sums = tuple(dev[f"{TAIL}_{name}"] for name in ("key_sum", "value_sum", "count"))
-            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in sums):
-                return False
-        exact = [type(host[name]) is RowBuffer and host[name].data.dtype == torch.float32 for name in ("keys", "values")]
-        fine = c.rescore_bits if c.rescore_from == "codes" else 0
-        key, value = key.contiguous(), value.contiguous()
-        for name, done in zip(("keys", "values"), exact, strict=True):
-            if not done:  # a quantized tier: its own compiled coder (memory/quant.cpp)
-                host[name].append(key if name == "keys" else value)
-        native.append(key, value, dev["code_mean"], dev["code_rotation"], c.code_bits, dev["codes"], dev["code_rms"],
-                      fine, host["fine_codes"] if fine else None, host["fine_rms"] if fine else None,
-                      host["keys"] if exact[0] else None, host["values"] if exact[1] else None, sums)
-        if "valid" in host:  # generated rows are real tokens
-            host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
-        return True
 
     def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.append(memory, keys, values)  # one code per row, all at once: the same as one by one
@@ -615,56 +596,23 @@ class SeKV(RecallableMethod):
             forced = forced | (cand[..., None] == sinks).any(-1)
         return forced
 
-    def _pick_native(self, memory, query: torch.Tensor, n: int, m: int, k: int) -> torch.Tensor:
-        """``_pick`` in one compiled call (``native/select.cpp``): the same rows, read straight from the row
-        buffers."""
-        dev, host, c = memory.device_tier, memory.host_tier, self.config
-        h = dev["code_mean"].shape[1]
-        b, _, _, d = query.shape
-        q = group_query(query, h).reshape(b, -1, d)  # [b, h·g·q, d]: KV head i's group is rows i·g·q ...
-        gains = None if self.adapter is None else memory.meta.get("native_gains")
-        if gains is None and self.adapter is not None:  # frozen for the cache's life: converted once, not per step
-            gains = memory.meta["native_gains"] = self._gains(memory.meta["layer"], h, d, query.device).float().contiguous()
-        valid = host.get("valid")
-        anchored = "anchor_pos" in dev
-        from_host = c.rescore_from == "host" and m > k
-        layout = native.host_rows(host["keys"]) if from_host and host["keys"].data.device.type == "cpu" else None
-        split = from_host and layout is None  # a host tier the kernel cannot read: its second stage in torch
-        picked = native.select(
-            q, dev["code_rotation"], gains, memory.meta["scaling"], dev["codes"].data, dev["code_rms"].data,
-            c.code_bits, n, anchor_pos=dev["anchor_pos"] if anchored else None,
-            anchor_codes=dev["anchor_codes"] if anchored else None, anchor_rms=dev["anchor_rms"] if anchored else None,
-            anchor_bits=c.anchor_bits, valid=None if valid is None else valid.data[:, 0, :, 0],
-            sink_pos=dev["sink_pos"], recent=c.recent, m=m, k=m if split else k,
-            fine_codes=host["fine_codes"].data if m > k and c.rescore_from != "host" else None,
-            fine_rms=host["fine_rms"].data if m > k and c.rescore_from != "host" else None, fine_bits=c.rescore_bits,
-            host_keys=layout)
-        if not split:
-            return picked
-        return self._rescore_host(memory, query, picked, self._forced(memory, picked, n), k).sort(dim=-1).values
-
-    def _recall_native(self, memory, idx: torch.Tensor) -> Selection | None:
-        """The rows ``idx`` recalled (decoded when quantized) and the summary row after them in the recall
-        buffer, in one compiled pass: what ``_recall`` + ``with_tail`` give, without the concatenation. None
-        when the pass cannot read the tiers (no summary row, a low-rank host tier, rows not float32 or
-        int8/int4): ``_recall`` then does it."""
-        dev, host = memory.device_tier, memory.host_tier
-        if not self.config.summary_row or memory.meta["low_rank"] or any(
-                dev[f"recall_{name}"].dtype != torch.float32 for name in ("keys", "values")):
-            return None
-        keys, values = native.host_rows(host["keys"]), native.host_rows(host["values"])
-        if keys is None or values is None:
-            return None
-        k = idx.shape[2]
-        reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
-        memory.meta["summary_slot"] = True
-        valid = host.get("valid")
-        offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
-        with phase("recall"):
-            bias = native.recall(idx, keys, values, memory.key_dim, memory.value_dim,
-                                 None if valid is None else valid.data[:, 0, :, 0], dev[f"{TAIL}_key_sum"], dev[f"{TAIL}_value_sum"], dev[f"{TAIL}_count"], offset,
-                                 dev["recall_keys"], dev["recall_values"])
-        return Selection(dev["recall_keys"][:, :, : k + 1], dev["recall_values"][:, :, : k + 1], bias)
+    def _native_layer(self, memory) -> native.NativeLayer:
+        """This layer's compiled step (``native.NativeLayer``), laid out once after the prefill."""
+        plan = memory.meta.get(NATIVE)
+        if plan is None:
+            dev, c = memory.device_tier, self.config
+            budget, layer = memory.meta["budget"], memory.meta["layer"]
+            h, d = dev["code_mean"].shape[1], memory.key_dim
+            plan = memory.meta[NATIVE] = native.NativeLayer(
+                memory, code_bits=c.code_bits, anchor_bits=c.anchor_bits, recent=c.recent, k=budget - c.summary_row,
+                m_max=self._candidates(budget), two_stages=bool(c.rescore_bits or c.rescore_from == "host"),
+                fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
+                gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
+                offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
+                summary_prefix=TAIL if c.summary_row else None)
+            if plan.recall:
+                memory.meta["summary_slot"] = True
+        return plan
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         n = host_length(memory)
@@ -674,12 +622,14 @@ class SeKV(RecallableMethod):
             c = self.config
             two_stages = c.rescore_bits or c.rescore_from == "host"
             m = min(n, self._candidates(memory.meta["budget"])) if two_stages else k
-            # one compiled call on CPU tensors (native/select.cpp); the torch path on any other device
+            # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
             if native.usable(query):
-                idx = self._pick_native(memory, query, n, m, k)
-                sel = self._recall_native(memory, idx)
-                if sel is not None:
-                    return sel
+                plan = self._native_layer(memory)
+                idx = plan.step(query)
+                if plan.recall:
+                    return Selection(*plan.selected, plan.bias)
+                if plan.split:  # stage two from a host tier the kernel cannot read
+                    idx = self._rescore_host(memory, query, idx, self._forced(memory, idx, n), k).sort(dim=-1).values
             else:
                 idx = self._pick(memory, query, n, m, k)
         valid = host_valid(memory)

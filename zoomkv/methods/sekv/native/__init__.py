@@ -20,96 +20,54 @@ import torch
 from zoomkv.memory.quant import ChannelQuantizedRowBuffer, QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel, enabled, torch_path
+from zoomkv.protocol.phases import clock_running, phase
+from zoomkv.protocol.recallable import reserve_recall_buffer
 
 SOURCE = Path(__file__).with_name("select.cpp")
 
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# rows, capacity, bits (0: float32), scale, minimum, group; per channel (KIVI): 1, the blocks' capacity, the rows
-# coded, the exact newest rows and their number
-_HOST = [_P, _I64, ctypes.c_int, _P, _P, _I64, ctypes.c_int, _I64, _I64, _P, _I64]
-_NO_HOST = [None, 0, 0, None, None, 0, 0, 0, 0, None, 0]
-_SELECT_ARGS = [_I64, _I64, _I64, _I64, _I64,  # batch, heads, group, d, n
-                _P, _P, _P, _F32,  # query, rotation, gains, scaling
-                _P, _I64, ctypes.c_int, _P, _I64,  # codes, codes_cap, bits, rms, rms_cap
-                _I64, _P, _P, _P, ctypes.c_int,  # anchors, anchor_pos, anchor_codes, anchor_rms, anchor_bits
-                _P, _I64,  # valid, valid_cap
-                _I64, _P, _I64, _I64, _I64,  # sinks, sink_pos, recent, m, k
-                _P, _I64, _P, _I64, ctypes.c_int,  # fine codes, fine_cap, fine_rms, fine_rms_cap, fine_bits
-                *_HOST,  # the host keys, when they rescore (rescore_from="host")
-                _P]  # out
-_RECALL_ARGS = [_I64, _I64, _I64, _I64, _I64, _P, *_HOST, *_HOST, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]
-_CODES_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P]
-_APPEND_ARGS = [_I64, _I64, _I64, _I64, _P, _P, _P, _P,  # batch, heads, rows, d, keys, values, mean, rotation
-                ctypes.c_int, _P, _I64, _P, _I64,  # bits, codes and rms with their capacities
-                ctypes.c_int, _P, _I64, _P, _I64, _I64,  # the finer codes the same, the index's first new row
-                _P, _I64, _P, _I64, _I64,  # float32 host keys and values (or null) and their first new row
-                _P, _P, _P]  # the summary row's sums and count (or null)
+_I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
 
+class HostArgs(ctypes.Structure):
+    """A host tier's rows as the kernel reads them (``HostRows`` in select.cpp): float32 rows (bits 0); codes per
+    token with fp16 scale and minimum per ``group`` channels; or per channel (KIVI: ``channel`` 1) over blocks of
+    ``group`` rows, ``coded`` rows of them, the newer ones exact in ``residual``."""
+
+    _fields_ = [("data", _P), ("cap", _I64), ("bits", _I64), ("scale", _P), ("lo", _P), ("group", _I64),
+                ("channel", _I64), ("scale_cap", _I64), ("coded", _I64), ("residual", _P), ("residual_cap", _I64)]
+
+
+class LayerArgs(ctypes.Structure):
+    """Every buffer of one layer a decode step reads and writes (``Layer`` in select.cpp, field for field)."""
+
+    _fields_ = [("batch", _I64), ("heads", _I64), ("d", _I64), ("dv", _I64), ("n", _I64), ("query_rows", _I64),
+                ("scaling", _F64), ("query", _P), ("idx", _P), ("bias", _P),
+                ("rotation", _P), ("gains", _P), ("mean", _P),
+                ("codes", _P), ("codes_cap", _I64), ("bits", _I64), ("rms", _P), ("rms_cap", _I64),
+                ("anchors", _I64), ("anchor_pos", _P), ("anchor_codes", _P), ("anchor_rms", _P), ("anchor_bits", _I64),
+                ("valid", _P), ("valid_cap", _I64),
+                ("sinks", _I64), ("sink_pos", _P), ("recent", _I64), ("m", _I64), ("k", _I64),
+                ("fine_codes", _P), ("fine_cap", _I64), ("fine_rms", _P), ("fine_rms_cap", _I64), ("fine_bits", _I64),
+                ("rescore_host", _I64), ("keys", HostArgs), ("values", HostArgs),
+                ("key_sum", _P), ("value_sum", _P), ("count", _P), ("offset", _P),
+                ("out_keys", _P), ("out_values", _P), ("out_cap", _I64),
+                ("append_keys", _I64), ("append_values", _I64)]
+
+
+_LAYER = ctypes.POINTER(LayerArgs)
 KERNEL = Kernel(SOURCE, "sekv's compiled CPU router", {
-    "zk_sekv_select": (_SELECT_ARGS, ctypes.c_int),
-    "zk_sekv_codes": (_CODES_ARGS, ctypes.c_int),
-    "zk_sekv_recall": (_RECALL_ARGS, ctypes.c_int),
-    "zk_sekv_append": (_APPEND_ARGS, ctypes.c_int),
+    "zk_sekv_step": ([_LAYER], ctypes.c_int),
+    "zk_sekv_recall_rows": ([_LAYER], ctypes.c_int),
+    "zk_sekv_append": ([_LAYER, _P, _P, _I64], ctypes.c_int),
+    "zk_sekv_codes": ([_I64, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _P, _P], ctypes.c_int),
 })
 library, usable = KERNEL.library, KERNEL.usable
-__all__ = ["KERNEL", "append", "enabled", "encode", "host_rows", "library", "recall", "select", "torch_path", "usable"]
+__all__ = ["KERNEL", "HostArgs", "LayerArgs", "NativeLayer", "enabled", "encode", "host_rows", "library",
+           "torch_path", "usable"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _rows(buf: torch.Tensor, dim: int) -> torch.Tensor:
-    """A ``[b, h, capacity, dim]`` buffer as the kernel reads it: contiguous (row buffers already are)."""
-    if buf.shape[-1] != dim or not buf.is_contiguous():
-        raise ValueError("sekv's native router reads contiguous row buffers")
-    return buf
-
-
-def _bytes(valid: torch.Tensor | None) -> torch.Tensor | None:
-    if valid is None:
-        return None
-    return valid.view(torch.uint8) if valid.dtype == torch.bool and valid.is_contiguous() else valid.to(torch.uint8).contiguous()
-
-
-def select(query: torch.Tensor, rotation: torch.Tensor, gains: torch.Tensor | None, scaling: float,
-           codes: torch.Tensor, rms: torch.Tensor, bits: int, n: int, *,
-           anchor_pos: torch.Tensor | None, anchor_codes: torch.Tensor | None, anchor_rms: torch.Tensor | None,
-           anchor_bits: int, valid: torch.Tensor | None, sink_pos: torch.Tensor, recent: int, m: int, k: int,
-           fine_codes: torch.Tensor | None, fine_rms: torch.Tensor | None, fine_bits: int,
-           host_keys: list | None = None) -> torch.Tensor:
-    """``[b, h, k]`` long: the rows ``SeKV._pick`` picks, in sequence order. ``query`` ``[b, h·g, d]``;
-    ``codes``/``rms``/``fine_*`` the row buffers' whole storage (``[b, h, capacity, ·]``, ``n`` rows filled);
-    ``valid`` ``[b, capacity]`` bool or None; ``host_keys`` (``host_rows`` of the host keys): the second stage
-    scores the candidates with them (``rescore_from="host"``) instead of the finer codes."""
-    lib = library()
-    assert lib is not None
-    b, hq, d = query.shape
-    h = codes.shape[1]
-    q = query.float().contiguous()
-    rot = rotation.float().contiguous()
-    g = gains.float().contiguous() if gains is not None else None
-    anchors = 0 if anchor_pos is None else anchor_pos.shape[1]
-    apos = anchor_pos.contiguous() if anchors else None
-    acodes = anchor_codes.contiguous() if anchors else None
-    arms = anchor_rms.contiguous() if anchors else None
-    v = _bytes(valid)
-    sinks = sink_pos.contiguous()
-    out = torch.empty(b, h, k, dtype=torch.long)
-    rc = lib.zk_sekv_select(
-        b, h, hq // h, d, n, _ptr(q), _ptr(rot), _ptr(g), float(scaling),
-        _ptr(_rows(codes, d * bits // 8)), codes.shape[2], bits, _ptr(rms), rms.shape[2],
-        anchors, _ptr(apos), _ptr(acodes), _ptr(arms), anchor_bits if anchors else 0,
-        _ptr(v), 0 if v is None else v.shape[-1],
-        sinks.shape[1], _ptr(sinks), recent, m, k,
-        _ptr(None if fine_codes is None else _rows(fine_codes, d * fine_bits // 8)),
-        0 if fine_codes is None else fine_codes.shape[2], _ptr(fine_rms),
-        0 if fine_rms is None else fine_rms.shape[2], fine_bits if m > k else 0,
-        *(host_keys if host_keys is not None and m > k else _NO_HOST), _ptr(out))
-    if rc:
-        raise ValueError(f"sekv's native router refused k={k}, m={m}, n={n}")
-    return out
 
 
 def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits: int,
@@ -130,40 +88,6 @@ def encode(keys: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits:
                          fine_bits, _ptr(fine), _ptr(fine_rms)):
         raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {d}")
     return codes, rms, fine, fine_rms
-
-
-def _room(buf: RowBuffer | None, n: int) -> tuple[int | None, int]:
-    """A float32 / code buffer made ready for ``n`` rows in place: its storage pointer and capacity."""
-    if buf is None:
-        return None, 0
-    buf.reserve(n)
-    if not buf.data.is_contiguous():  # a view a prefill stored: copied once, then grown contiguous
-        buf.data = buf.data.contiguous()
-    return buf.data.data_ptr(), buf.capacity
-
-
-def append(keys: torch.Tensor, values: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, bits: int,
-           codes: RowBuffer, rms: RowBuffer, fine_bits: int, fine: RowBuffer | None, fine_rms: RowBuffer | None,
-           host_keys: RowBuffer | None, host_values: RowBuffer | None,
-           sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-    """New rows ``keys``/``values`` ``[b, h, t, d]`` (contiguous float32) into sekv's buffers in one call: their
-    codes into ``codes``/``rms`` (and ``fine``/``fine_rms`` at ``fine_bits``), the rows into float32 host
-    buffers ``host_keys``/``host_values`` (None: the caller appends them), and the summary row's running
-    ``sums`` (key sum, value sum, count: contiguous float32, added to in place). What ``SeKV.append`` does."""
-    lib = library()
-    assert lib is not None
-    b, h, t, d = keys.shape
-    mean, rotation = mean.float().contiguous(), rotation.float().contiguous()  # held in names for the call
-    start, host_start = codes.length, (host_keys or host_values or codes).length
-    rows = [_room(buf, t) for buf in (codes, rms, fine, fine_rms, host_keys, host_values)]
-    rc = lib.zk_sekv_append(b, h, t, d, _ptr(keys), _ptr(values), _ptr(mean), _ptr(rotation),
-                            bits, *rows[0], *rows[1], fine_bits, *rows[2], *rows[3], start,
-                            *rows[4], *rows[5], host_start, *(_ptr(s) for s in (sums or (None, None, None))))
-    if rc:
-        raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {d}")
-    for buf in (codes, rms, fine, fine_rms, host_keys, host_values):
-        if buf is not None:
-            buf.length += t
 
 
 def host_rows(buf: Any) -> list | None:
@@ -190,26 +114,176 @@ def host_rows(buf: Any) -> list | None:
     return None
 
 
-def recall(idx: torch.Tensor, keys: list, values: list, dk: int, dv: int, valid: torch.Tensor | None,
-           key_sum: torch.Tensor, value_sum: torch.Tensor, count: torch.Tensor, offset: torch.Tensor | None,
-           out_keys: torch.Tensor, out_values: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` ``[b, h, k]`` of the host rows ``keys``/``values`` (``host_rows`` of their buffers) decoded
-    into ``out_keys``/``out_values`` rows ``0..k-1`` and the summary row into row ``k`` (what ``with_tail`` adds:
-    the rest's mean from the running sums); returns the ``[b, h, k + 1]`` logit bias."""
-    lib = library()
-    assert lib is not None
-    b, h, k = idx.shape
-    for t in (out_keys, out_values):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError("sekv's native recall writes contiguous float32 rows")
-    bias = torch.empty(b, h, k + 1)
-    v = _bytes(valid)
-    sums = [t.float().contiguous() for t in (key_sum, value_sum, count)]
-    off = offset.float().contiguous() if offset is not None else None
-    idx = idx.contiguous()  # held in a name for the call
-    rc = lib.zk_sekv_recall(b, h, k, dk, dv, _ptr(idx), *keys, *values, _ptr(v),
-                            0 if v is None else v.shape[-1], *(_ptr(t) for t in sums), _ptr(off), _ptr(out_keys),
-                            _ptr(out_values), out_keys.shape[2], _ptr(bias))
-    if rc:
-        raise ValueError(f"sekv's native recall needs {k + 1} rows in the recall buffer, it has {out_keys.shape[2]}")
-    return bias
+def _width(buf: Any) -> int:
+    return getattr(buf, "width", None) or buf.data.shape[-1]
+
+
+def _held(buf: RowBuffer) -> torch.Tensor:
+    """A row buffer's storage as the kernel reads and writes it: contiguous (a view a prefill stored is copied
+    once; grown buffers already are)."""
+    if not buf.data.is_contiguous():
+        buf.data = buf.data.contiguous()
+    return buf.data
+
+
+class NativeLayer:
+    """One layer's buffers laid out for the kernel once (``LayerArgs``), so that a decode step is one compiled
+    call to append and one to select and recall, with a few fields set in between: on the CPU, each Python
+    line of a step runs with caches the model's weights just flushed, so a step's Python costs more than its C.
+
+    Built by ``SeKV`` after the prefill (``memory.meta[PLAN]``), refreshed whenever a buffer may have moved:
+    before it grows one, and when the rows held are not the rows it last saw (anything else appended). Its
+    kernel call picks ``k`` rows per KV head and, with ``recall``, decodes them and the summary row into the
+    recall buffers; without, it returns the picks (``split``: stage one's ``m`` candidates, rescored in torch)."""
+
+    def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, two_stages: bool,
+                 fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
+                 summary_prefix: str | None):
+        self.memory, self.dev, self.host = memory, memory.device_tier, memory.host_tier
+        self.k, self.m_max, self.two_stages = k, m_max, two_stages
+        self.args = a = LayerArgs()
+        self.ref = ctypes.byref(a)
+        dev = self.dev
+        self.codes, self.rms = dev["codes"], dev["code_rms"]
+        self.fine = (self.host["fine_codes"], self.host["fine_rms"]) if fine_bits else None
+        b, h = self.codes.data.shape[:2]
+        a.batch, a.heads, a.d, a.dv = b, h, memory.key_dim, memory.value_dim
+        a.scaling = float(memory.meta["scaling"])
+        a.bits, a.anchor_bits, a.fine_bits, a.recent, a.k = code_bits, anchor_bits, fine_bits, recent, k
+        # held here: the kernel reads these through raw pointers for the cache's life
+        self.held = [dev["code_rotation"].float().contiguous(), dev["code_mean"].float().contiguous(),
+                     dev["sink_pos"].contiguous()]
+        a.rotation, a.mean, a.sink_pos = (t.data_ptr() for t in self.held)
+        a.sinks = self.held[2].shape[1]
+        if gains is not None:
+            self.held.append(gains.float().contiguous())
+            a.gains = self.held[-1].data_ptr()
+        if "anchor_pos" in dev and dev["anchor_pos"].shape[1]:
+            anchors = [dev["anchor_pos"].contiguous(), dev["anchor_codes"].contiguous(), dev["anchor_rms"].contiguous()]
+            self.held += anchors
+            a.anchors = anchors[0].shape[1]
+            a.anchor_pos, a.anchor_codes, a.anchor_rms = (t.data_ptr() for t in anchors)
+        # the append writes every buffer (False: another dtype's running sums, which the torch append keeps)
+        self.appends, recall = True, True
+        if summary_prefix is not None:
+            sums = [dev[f"{summary_prefix}_{name}"] for name in ("key_sum", "value_sum", "count")]
+            if all(t.dtype == torch.float32 and t.is_contiguous() for t in sums):
+                a.key_sum, a.value_sum, a.count = (t.data_ptr() for t in sums)  # the tier's own, added to in place
+            else:
+                self.appends = recall = False
+        if offset is not None:
+            self.held.append(offset.float().contiguous())
+            a.offset = self.held[-1].data_ptr()
+        # rows the kernel decodes whole (not a rank-gated tier's coordinates)
+        readable = tuple(host_rows(self.host[name]) is not None and _width(self.host[name]) == dim
+                         for name, dim in (("keys", a.d), ("values", a.dv)))
+        self.readable = readable
+        self.split = rescore_host and not readable[0]  # a host tier the kernel cannot read: stage two in torch
+        a.rescore_host = int(rescore_host and not self.split)
+        # the recall with the summary row after the rows (summary_prefix), decoded from any host format it reads
+        self.recall = recall and summary_prefix is not None and all(readable)
+        if self.recall:
+            reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
+            self.recall = all(dev[f"recall_{name}"].dtype == torch.float32 for name in ("keys", "values"))
+        a.append_keys = int(type(self.host["keys"]) is RowBuffer)
+        a.append_values = int(type(self.host["values"]) is RowBuffer)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Every pointer and capacity that moves: after a buffer grows, or rows came in another way."""
+        a, host = self.args, self.host
+        a.codes, a.codes_cap = _held(self.codes).data_ptr(), self.codes.capacity
+        a.rms, a.rms_cap = _held(self.rms).data_ptr(), self.rms.capacity
+        if self.fine is not None:
+            a.fine_codes, a.fine_cap = _held(self.fine[0]).data_ptr(), self.fine[0].capacity
+            a.fine_rms, a.fine_rms_cap = _held(self.fine[1]).data_ptr(), self.fine[1].capacity
+        for name, ok in zip(("keys", "values"), self.readable, strict=True):
+            if ok:
+                setattr(a, name, HostArgs(*host_rows(host[name])))
+        valid = host.get("valid")
+        if valid is not None:
+            flat = _held(valid)[:, 0, :, 0]  # [b, capacity] bool, contiguous
+            a.valid, a.valid_cap = flat.data_ptr(), flat.shape[-1]
+        if self.recall:
+            out = (self.dev["recall_keys"], self.dev["recall_values"])
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in out):
+                raise ValueError("sekv's native recall writes contiguous float32 rows")
+            a.out_keys, a.out_values, a.out_cap = out[0].data_ptr(), out[1].data_ptr(), out[0].shape[2]
+            self.selected = (out[0][:, :, : self.k + 1], out[1][:, :, : self.k + 1])
+        a.n = host["keys"].length
+        self.room = min(buf.capacity - buf.length for buf in self._growing())
+
+    def _growing(self) -> list:
+        """The buffers a step appends to, as row buffers (a quantized tier's parts)."""
+        found = [self.codes, self.rms, *(self.fine or ())]
+        for buf in (self.host["keys"], self.host["values"], self.host.get("valid")):
+            if type(buf) is QuantizedRowBuffer:
+                found += [buf.codes, buf.scale, buf.lo]
+            elif type(buf) is RowBuffer:
+                found.append(buf)
+            # KIVI's tier re-lays its newest rows at every append: append() reads its layout again each time
+        return found
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A step's new rows ``[b, h, t, d]`` (float32) into every buffer of the layer."""
+        a, host, t = self.args, self.host, key.shape[2]
+        if host["keys"].length != a.n or t > self.room:
+            for buf in self._growing():
+                buf.reserve(t)
+            self.refresh()
+        key, value = key.contiguous(), value.contiguous()  # held in names for the call
+        keys_buf, values_buf = host["keys"], host["values"]
+        if not a.append_keys:  # a quantized tier codes its rows itself (memory/quant.cpp)
+            keys_buf.append(key)
+        if not a.append_values:
+            values_buf.append(value)
+        for name, ok in zip(("keys", "values"), self.readable, strict=True):
+            if ok and type(host[name]) is ChannelQuantizedRowBuffer:  # KIVI's newest rows move with every append
+                setattr(a, name, HostArgs(*host_rows(host[name])))
+        if library().zk_sekv_append(self.ref, key.data_ptr(), value.data_ptr(), t):
+            raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {key.shape[-1]}")
+        self.codes.length += t
+        self.rms.length += t
+        if self.fine is not None:
+            self.fine[0].length += t
+            self.fine[1].length += t
+        if a.append_keys:
+            keys_buf.length += t
+        if a.append_values:
+            values_buf.length += t
+        if "valid" in host:  # generated rows are real tokens
+            host["valid"].append(torch.ones(key.shape[0], 1, t, 1, dtype=torch.bool))
+        a.n += t
+        self.room -= t
+
+    def step(self, query: torch.Tensor) -> torch.Tensor:
+        """The rows of this step for ``query`` ``[b, h·g, q, d]``: ``[b, h, k]`` long in sequence order (``split``:
+        the ``m`` candidates); with ``recall`` also decoded into the recall buffers, and the summary row's bias
+        in ``self.bias``."""
+        a = self.args
+        if self.host["keys"].length != a.n or (self.recall and self.dev["recall_keys"].data_ptr() != a.out_keys):
+            self.refresh()
+        b, h = a.batch, a.heads
+        q = query.float().reshape(b, -1, a.d).contiguous()  # [b, h·g·q, d]: KV head i's group is rows i·g·q ...
+        a.query, a.query_rows = q.data_ptr(), q.shape[1] // h
+        a.m = min(a.n, self.m_max) if self.two_stages else self.k
+        a.k = a.m if self.split else self.k
+        idx = torch.empty(b, h, a.k, dtype=torch.long)
+        a.idx = idx.data_ptr()
+        lib = library()
+        if self.recall:
+            self.bias = torch.empty(b, h, self.k + 1)
+            a.bias = self.bias.data_ptr()
+            if clock_running():  # bench --profile: the recall timed as its own call
+                a.out_keys = None
+                rc = lib.zk_sekv_step(self.ref)
+                a.out_keys = self.dev["recall_keys"].data_ptr()
+                with phase("recall"):
+                    rc = rc or lib.zk_sekv_recall_rows(self.ref)
+            else:  # one call: each (sequence, KV head) picks its rows and recalls them
+                rc = lib.zk_sekv_step(self.ref)
+        else:
+            rc = lib.zk_sekv_step(self.ref)
+        if rc:
+            raise ValueError(f"sekv's native router refused k={a.k}, m={a.m}, n={a.n}")
+        return idx

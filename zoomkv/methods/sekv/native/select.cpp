@@ -227,11 +227,11 @@ class Scorer {
 struct HostRows {
   const void* data;
   int64_t cap;
-  int bits;  // 0: float32; else 8, 4 or 2-bit codes, packed 8 / bits to a byte (code j of a byte at bits j*bits)
+  int64_t bits;  // 0: float32; else 8, 4 or 2-bit codes, packed 8 / bits to a byte (code j of a byte at bits j*bits)
   const uint16_t* scale;
   const uint16_t* lo;
   int64_t group;      // per token: channels a scale covers; per channel: tokens a block covers
-  int channel;        // 0: scales per token and group of channels; 1: per channel and block of tokens (KIVI)
+  int64_t channel;    // 0: scales per token and group of channels; 1: per channel and block of tokens (KIVI)
   int64_t scale_cap;  // per channel: the blocks' capacity
   int64_t coded;      // per channel: rows coded so far; the later ones are float32 in `residual`
   const float* residual;
@@ -295,7 +295,7 @@ struct HostRows {
 
 
 struct Scratch {
-  std::vector<float> qr, logits, vote, vote2, part, rows;
+  std::vector<float> qr, logits, vote, vote2, part, rows, sums;
   std::vector<int64_t> order, cand;
   std::vector<uint64_t> keys;
 };
@@ -312,14 +312,37 @@ inline uint32_t order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Indices of the `m` largest entries of vote[0..n) into order (any order); ties go to the lower index.
-// One 64-bit key per row (the vote's order bits, then the inverted index) so nth_element compares integers.
+// Indices of the `m` largest entries of vote[0..n) into order, in ascending index order; ties go to the lower
+// index. A radix select: a histogram of each vote's top 11 order bits finds the bucket the m-th largest falls
+// in; only that bucket's rows are compared (nth_element on the vote's order bits, then the inverted index),
+// so a step reads the votes three times instead of shuffling n 64-bit keys.
 void top_m(const float* vote, int64_t n, int64_t m, std::vector<uint64_t>& keys, std::vector<int64_t>& order) {
-  keys.resize(n);
-  for (int64_t i = 0; i < n; ++i) keys[i] = (uint64_t(order_key(vote[i])) << 32) | uint64_t(0xffffffffu - uint32_t(i));
-  if (m < n) std::nth_element(keys.begin(), keys.begin() + m, keys.end(), std::greater<uint64_t>());
   order.resize(m);
-  for (int64_t i = 0; i < m; ++i) order[i] = int64_t(0xffffffffu - uint32_t(keys[i] & 0xffffffffu));
+  if (m >= n) {
+    for (int64_t i = 0; i < m; ++i) order[i] = i;
+    return;
+  }
+  constexpr int kShift = 21;  // 2^11 buckets
+  uint32_t hist[1 << (32 - kShift)] = {};
+  for (int64_t i = 0; i < n; ++i) ++hist[order_key(vote[i]) >> kShift];
+  int64_t bucket = (1 << (32 - kShift)) - 1, above = 0;
+  while (above + int64_t(hist[bucket]) < m) above += hist[bucket--];
+  const int64_t rest = m - above;  // how many of the boundary bucket's rows are kept (>= 1)
+  keys.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = order_key(vote[i]);
+    if ((key >> kShift) == uint32_t(bucket)) keys.push_back((uint64_t(key) << 32) | uint64_t(0xffffffffu - uint32_t(i)));
+  }
+  std::nth_element(keys.begin(), keys.begin() + (rest - 1), keys.end(), std::greater<uint64_t>());
+  const uint64_t last = keys[rest - 1];  // the smallest composite key kept
+  int64_t j = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = order_key(vote[i]);
+    const uint32_t b = key >> kShift;
+    if (b > uint32_t(bucket) ||
+        (b == uint32_t(bucket) && ((uint64_t(key) << 32) | uint64_t(0xffffffffu - uint32_t(i))) >= last))
+      order[j++] = i;
+  }
 }
 
 // Stage two from the host tier's own keys (rescore_from="host"): the m candidates cand[0..m) decoded from the
@@ -418,135 +441,250 @@ void encode_row(const float* key, const float* mu, const float* rotation, int64_
   }
 }
 
+// Every buffer of one layer a decode step reads and writes. Only 8-byte fields, so the ctypes mirror in
+// native/__init__.py (LayerArgs) lays it out identically; a layer's plan keeps one filled in between steps.
+struct Layer {
+  int64_t batch, heads, d, dv;
+  int64_t n;           // rows held (host tier and index alike)
+  int64_t query_rows;  // query rows per KV head this step: the group's heads x the new queries
+  double scaling;
+  const float* query;  // [batch, heads * query_rows, d]
+  int64_t* idx;        // [batch, heads, k]: the rows picked, in sequence order
+  float* bias;         // [batch, heads, k + 1]: the recalled rows' logit bias (with out_keys)
+  // the index: 1-bit (or 2/4/8) codes of every row, rotated and centred; anchors' finer codes
+  const float* rotation;  // [d, d]
+  const float* gains;     // [heads, d] or null
+  const float* mean;      // [batch, heads, d]
+  uint8_t* codes;
+  int64_t codes_cap, bits;
+  uint16_t* rms;
+  int64_t rms_cap;
+  int64_t anchors;
+  const int64_t* anchor_pos;  // [batch, anchors], -1: none
+  const uint8_t* anchor_codes;
+  const uint16_t* anchor_rms;
+  int64_t anchor_bits;
+  const uint8_t* valid;  // [batch, valid_cap] or null
+  int64_t valid_cap;
+  int64_t sinks;
+  const int64_t* sink_pos;  // [batch, sinks]
+  int64_t recent, m, k;
+  uint8_t* fine_codes;  // [batch, heads, fine_cap, d * fine_bits / 8]: stage two's codes (rescore_from="codes")
+  int64_t fine_cap;
+  uint16_t* fine_rms;
+  int64_t fine_rms_cap, fine_bits;
+  int64_t rescore_host;  // stage two from the host keys (rescore_from="host")
+  HostRows keys, values;
+  float* key_sum;  // [batch, heads, d]: the summary row's running sums and count [batch, heads]
+  float* value_sum;
+  float* count;
+  const float* offset;  // [heads] or null: the trained summary bias
+  float* out_keys;      // [batch, heads, out_cap, d]: the recall buffers (null: no recall, idx only)
+  float* out_values;
+  int64_t out_cap;
+  int64_t append_keys, append_values;  // the append writes float32 host rows (else the caller codes them)
+};
+
+// Steps 1-7 above for (sequence, KV head) bh: the k rows picked into dst, in sequence order.
+void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
+  const int64_t b = bh / a.heads, h = bh % a.heads, group = a.query_rows, d = a.d, n = a.n, m = a.m, k = a.k;
+  const float scaling = float(a.scaling);
+  const uint8_t* valid_b = a.valid ? a.valid + b * a.valid_cap : nullptr;
+  s.qr.resize(group * d);
+  s.logits.resize(group * n);
+  s.vote.resize(n);
+  s.vote2.resize(m);
+  s.part.resize(group);
+  // 1. the group's queries, rotated and weighted
+  for (int64_t g = 0; g < group; ++g) {
+    const float* q = a.query + (bh * group + g) * d;
+    float* qr = s.qr.data() + g * d;
+    for (int64_t c = 0; c < d; ++c) qr[c] = 0.0f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float qj = q[j];
+      const float* row = a.rotation + j * d;
+      for (int64_t c = 0; c < d; ++c) qr[c] += qj * row[c];
+    }
+    if (a.gains)
+      for (int64_t c = 0; c < d; ++c) qr[c] *= a.gains[h * d + c];
+  }
+  // 2. every row's estimated logit from its code: logits[g * n + r]
+  {
+    Scorer scorer(s.qr.data(), group, d, int(a.bits));
+    scorer.reserve(n);
+    scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
+                      s.logits.data());
+  }
+  // 3. anchors through their finer codes; padding out
+  if (a.anchors) {
+    Scorer scorer(s.qr.data(), group, d, int(a.anchor_bits));
+    const int64_t nb = scorer.nbytes();
+    const int64_t* pos = a.anchor_pos + b * a.anchors;
+    for (int64_t i = 0; i < a.anchors; ++i) {
+      const int64_t p = pos[i];
+      if (p < 0 || p >= n) continue;
+      scorer.score(a.anchor_codes + (bh * a.anchors + i) * nb, s.part.data(), 1);
+      const float scale = half_to_float(a.anchor_rms[bh * a.anchors + i]) * scaling;
+      for (int64_t g = 0; g < group; ++g) s.logits[g * n + p] = s.part[g] * scale;
+    }
+  }
+  if (valid_b)
+    for (int64_t r = 0; r < n; ++r)
+      if (!valid_b[r])
+        for (int64_t g = 0; g < group; ++g) s.logits[g * n + r] = -kInf;
+  // 4. the group's vote: each query head's softmax, summed
+  std::fill(s.vote.begin(), s.vote.end(), 0.0f);
+  for (int64_t g = 0; g < group; ++g) {
+    float* l = s.logits.data() + g * n;
+    softmax(l, n);
+    for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r];
+  }
+  // 5. forced rows, then the best m
+  const int64_t* sp = a.sink_pos + b * a.sinks;
+  for (int64_t i = 0; i < a.sinks; ++i)
+    if (sp[i] >= 0 && sp[i] < n) s.vote[sp[i]] = kInf;
+  for (int64_t r = std::max<int64_t>(0, n - a.recent); r < n; ++r) s.vote[r] = kInf;
+  if (valid_b)
+    for (int64_t r = 0; r < n; ++r)
+      if (!valid_b[r]) s.vote[r] = -kInf;
+  top_m(s.vote.data(), n, m, s.keys, s.order);
+  if (m > k && a.rescore_host) {
+    // 6. the candidates rescored with the host tier's own keys
+    s.cand.assign(s.order.begin(), s.order.end());
+    rescore_host_rows(a.keys, bh, a.query + bh * group * d, group, d, scaling, s.cand.data(), m, k, n, a.recent, sp,
+                      a.sinks, valid_b, s, dst);
+  } else if (m > k) {
+    // 6. the candidates rescored with their finer host codes (padding is not masked here: the torch path's
+    // softmax over the candidates does not mask it either; it stays out through its -inf first-stage vote)
+    Scorer scorer(s.qr.data(), group, d, int(a.fine_bits));
+    scorer.reserve(m);
+    float* l = s.logits.data();  // reused: [group][m]
+    for (int64_t j = 0; j < m; ++j) {  // random rows of the host tier: ask for all of them before reading one
+      __builtin_prefetch(a.fine_codes + (bh * a.fine_cap + s.order[j]) * scorer.nbytes());
+      __builtin_prefetch(a.fine_rms + bh * a.fine_rms_cap + s.order[j]);
+    }
+    scorer.score_rows(a.fine_codes + bh * a.fine_cap * scorer.nbytes(), a.fine_rms + bh * a.fine_rms_cap,
+                      s.order.data(), m, scaling, l);
+    std::fill(s.vote2.begin(), s.vote2.begin() + m, 0.0f);
+    for (int64_t g = 0; g < group; ++g) {
+      float* lg = l + g * m;
+      softmax(lg, m);
+      for (int64_t j = 0; j < m; ++j) s.vote2[j] += lg[j];
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const float first = s.vote[s.order[j]];
+      if (std::isinf(first)) s.vote2[j] = first;
+    }
+    s.cand.assign(s.order.begin(), s.order.end());
+    top_m(s.vote2.data(), m, k, s.keys, s.order);
+    for (int64_t j = 0; j < k; ++j) dst[j] = s.cand[s.order[j]];
+  } else {
+    for (int64_t j = 0; j < k; ++j) dst[j] = s.order[j];
+  }
+  // 7. sequence order
+  std::sort(dst, dst + k);
+}
+
+// The recall for (sequence, KV head) bh: rows[0..k) of the host keys/values decoded into the recall buffers'
+// rows 0..k-1, and row k set to the mean of every other row, (running sum - the selected rows) / (count -
+// selected), with a logit bias of log(count - selected) + offset[h] (-inf when no row is left out); selected
+// padding rows get bias -inf and count for nothing. As zoomkv.memory.tail.with_tail computes it.
+void recall_head(const Layer& a, int64_t bh, const int64_t* rows, int64_t k, Scratch& s) {
+  const int64_t dk = a.d, dv = a.dv;
+  const uint8_t* valid_b = a.valid ? a.valid + (bh / a.heads) * a.valid_cap : nullptr;
+  s.sums.assign(dk + dv, 0.0f);
+  float* sk = s.sums.data();
+  float* sv = sk + dk;
+  float* ok = a.out_keys + bh * a.out_cap * dk;
+  float* ov = a.out_values + bh * a.out_cap * dv;
+  float* bb = a.bias + bh * (k + 1);
+  float chosen = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    a.keys.prefetch(bh, rows[i], dk);
+    a.values.prefetch(bh, rows[i], dv);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    float* kr = ok + i * dk;
+    float* vr = ov + i * dv;
+    a.keys.read(bh, rows[i], dk, kr);
+    a.values.read(bh, rows[i], dv, vr);
+    if (valid_b && !valid_b[rows[i]]) {
+      bb[i] = -kInf;
+      continue;
+    }
+    bb[i] = 0.0f;
+    chosen += 1.0f;
+    for (int64_t c = 0; c < dk; ++c) sk[c] += kr[c];
+    for (int64_t c = 0; c < dv; ++c) sv[c] += vr[c];
+  }
+  const float rest = a.count[bh] - chosen;
+  const float denom = std::max(rest, 1.0f);
+  for (int64_t c = 0; c < dk; ++c) ok[k * dk + c] = (a.key_sum[bh * dk + c] - sk[c]) / denom;
+  for (int64_t c = 0; c < dv; ++c) ov[k * dv + c] = (a.value_sum[bh * dv + c] - sv[c]) / denom;
+  bb[k] = rest > 0.5f ? std::log(denom) + (a.offset ? a.offset[bh % a.heads] : 0.0f) : -kInf;
+}
+
+// A step's new rows (keys [batch, heads, rows, d], values [.., dv]) into every buffer the layer keeps: their
+// codes (and finer codes) at row n of the index, the rows themselves at row n of float32 host tiers the
+// append writes, and the summary row's running sums and count. Buffers have room for the rows.
+void append_rows(const Layer& a, const float* keys, const float* values, int64_t rows) {
+  const int64_t d = a.d, dv = a.dv;
+  const RowCodes out{int(a.bits), a.codes, a.codes_cap, a.rms, a.rms_cap,
+                     int(a.fine_bits), a.fine_codes, a.fine_cap, a.fine_rms, a.fine_rms_cap};
+  float* host_keys = a.append_keys ? static_cast<float*>(const_cast<void*>(a.keys.data)) : nullptr;
+  float* host_values = a.append_values ? static_cast<float*>(const_cast<void*>(a.values.data)) : nullptr;
+  std::vector<float> ks(d), vs(dv);
+  for (int64_t bh = 0; bh < a.batch * a.heads; ++bh) {
+    std::fill(ks.begin(), ks.end(), 0.0f);
+    std::fill(vs.begin(), vs.end(), 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* key = keys + (bh * rows + r) * d;
+      const float* value = values + (bh * rows + r) * dv;
+      encode_row(key, a.mean + bh * d, a.rotation, d, out, bh, a.n + r);
+      if (host_keys) std::memcpy(host_keys + (bh * a.keys.cap + a.n + r) * d, key, d * 4);
+      if (host_values) std::memcpy(host_values + (bh * a.values.cap + a.n + r) * dv, value, dv * 4);
+      for (int64_t c = 0; c < d; ++c) ks[c] += key[c];
+      for (int64_t c = 0; c < dv; ++c) vs[c] += value[c];
+    }
+    if (a.key_sum) {  // the rows' sum first, then added: as torch's sum += rows.sum(2)
+      for (int64_t c = 0; c < d; ++c) a.key_sum[bh * d + c] += ks[c];
+      for (int64_t c = 0; c < dv; ++c) a.value_sum[bh * dv + c] += vs[c];
+      a.count[bh] += float(rows);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int zk_sekv_select(int64_t batch, int64_t heads, int64_t group, int64_t d, int64_t n,
-                   const float* query,      // [batch, heads * group, d]
-                   const float* rotation,   // [d, d]: rotated = query @ rotation
-                   const float* gains,      // [heads, d] or null
-                   float scaling,
-                   const uint8_t* codes, int64_t codes_cap, int bits,  // [batch, heads, codes_cap, d * bits / 8]
-                   const uint16_t* rms, int64_t rms_cap,               // [batch, heads, rms_cap] fp16
-                   int64_t anchors, const int64_t* anchor_pos,         // [batch, anchors], -1: none
-                   const uint8_t* anchor_codes, const uint16_t* anchor_rms, int anchor_bits,
-                   const uint8_t* valid, int64_t valid_cap,            // [batch, valid_cap] or null
-                   int64_t sinks, const int64_t* sink_pos,             // [batch, sinks]
-                   int64_t recent, int64_t m, int64_t k,
-                   const uint8_t* fine_codes, int64_t fine_cap,        // [batch, heads, fine_cap, d * fine_bits / 8]
-                   const uint16_t* fine_rms, int64_t fine_rms_cap, int fine_bits,
-                   // rescore_from="host": the host keys (HostRows' fields; data null: the finer codes rescore)
-                   const void* keys, int64_t keys_cap, int key_bits, const uint16_t* key_scale,
-                   const uint16_t* key_lo, int64_t key_group, int key_channel, int64_t key_scale_cap,
-                   int64_t key_coded, const float* key_residual, int64_t key_residual_cap,
-                   int64_t* out) {                                     // [batch, heads, k]
-  if (k > m || m > n || k < 1) return 1;
-  const HostRows host_keys{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
-                           key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
-  // One (sequence, KV head) a task, over torch's own OpenMP threads (the library links the libgomp torch
-  // loaded): the heads are independent, so the selection is the same at any thread count.
-#pragma omp parallel for schedule(dynamic, 1) if (batch * heads > 1)
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    const int64_t b = bh / heads, h = bh % heads;
-    const uint8_t* valid_b = valid ? valid + b * valid_cap : nullptr;
+// A decode step's selection of every (sequence, KV head), and with out_keys its recall, in one call: one
+// (sequence, KV head) a task over torch's own OpenMP threads (the library links the libgomp torch loaded);
+// the heads are independent, so the result is the same at any thread count.
+int zk_sekv_step(const Layer* a) {
+  if (a->k > a->m || a->m > a->n || a->k < 1 || (a->out_keys && a->out_cap < a->k + 1)) return 1;
+#pragma omp parallel for schedule(dynamic, 1) if (a->batch * a->heads > 1)
+  for (int64_t bh = 0; bh < a->batch * a->heads; ++bh) {
     Scratch& s = scratch();
-    s.qr.resize(group * d);
-    s.logits.resize(group * n);
-    s.vote.resize(n);
-    s.vote2.resize(m);
-    s.part.resize(group);
-    {
-      // 1. the group's queries, rotated and weighted
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = query + (bh * group + g) * d;
-        float* qr = s.qr.data() + g * d;
-        for (int64_t c = 0; c < d; ++c) qr[c] = 0.0f;
-        for (int64_t j = 0; j < d; ++j) {
-          const float qj = q[j];
-          const float* row = rotation + j * d;
-          for (int64_t c = 0; c < d; ++c) qr[c] += qj * row[c];
-        }
-        if (gains)
-          for (int64_t c = 0; c < d; ++c) qr[c] *= gains[h * d + c];
-      }
-      // 2. every row's estimated logit from its code: logits[g * n + r]
-      {
-        Scorer scorer(s.qr.data(), group, d, bits);
-        scorer.reserve(n);
-        scorer.score_rows(codes + bh * codes_cap * scorer.nbytes(), rms + bh * rms_cap, nullptr, n, scaling,
-                          s.logits.data());
-      }
-      // 3. anchors through their finer codes; padding out
-      if (anchors) {
-        Scorer scorer(s.qr.data(), group, d, anchor_bits);
-        const int64_t nb = scorer.nbytes();
-        const int64_t* pos = anchor_pos + b * anchors;
-        for (int64_t a = 0; a < anchors; ++a) {
-          const int64_t p = pos[a];
-          if (p < 0 || p >= n) continue;
-          scorer.score(anchor_codes + (bh * anchors + a) * nb, s.part.data(), 1);
-          const float scale = half_to_float(anchor_rms[bh * anchors + a]) * scaling;
-          for (int64_t g = 0; g < group; ++g) s.logits[g * n + p] = s.part[g] * scale;
-        }
-      }
-      if (valid_b)
-        for (int64_t r = 0; r < n; ++r)
-          if (!valid_b[r])
-            for (int64_t g = 0; g < group; ++g) s.logits[g * n + r] = -kInf;
-      // 4. the group's vote: each query head's softmax, summed
-      std::fill(s.vote.begin(), s.vote.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* l = s.logits.data() + g * n;
-        softmax(l, n);
-        for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r];
-      }
-      // 5. forced rows, then the best m
-      const int64_t* sp = sink_pos + b * sinks;
-      for (int64_t i = 0; i < sinks; ++i)
-        if (sp[i] >= 0 && sp[i] < n) s.vote[sp[i]] = kInf;
-      for (int64_t r = std::max<int64_t>(0, n - recent); r < n; ++r) s.vote[r] = kInf;
-      if (valid_b)
-        for (int64_t r = 0; r < n; ++r)
-          if (!valid_b[r]) s.vote[r] = -kInf;
-      top_m(s.vote.data(), n, m, s.keys, s.order);
-      int64_t* dst = out + bh * k;
-      if (m > k && keys) {
-        s.cand.assign(s.order.begin(), s.order.end());
-        rescore_host_rows(host_keys, bh, query + bh * group * d, group, d, scaling, s.cand.data(), m, k, n, recent,
-                          sp, sinks, valid_b, s, dst);
-      } else if (m > k) {
-        // 6. the candidates rescored with their finer host codes (padding is not masked here: the torch path's
-        // softmax over the candidates does not mask it either; it stays out through its -inf first-stage vote)
-        Scorer scorer(s.qr.data(), group, d, fine_bits);
-        scorer.reserve(m);
-        float* l = s.logits.data();  // reused: [group][m]
-        for (int64_t j = 0; j < m; ++j) {  // random rows of the host tier: ask for all of them before reading one
-          __builtin_prefetch(fine_codes + (bh * fine_cap + s.order[j]) * scorer.nbytes());
-          __builtin_prefetch(fine_rms + bh * fine_rms_cap + s.order[j]);
-        }
-        scorer.score_rows(fine_codes + bh * fine_cap * scorer.nbytes(), fine_rms + bh * fine_rms_cap, s.order.data(),
-                          m, scaling, l);
-        std::fill(s.vote2.begin(), s.vote2.begin() + m, 0.0f);
-        for (int64_t g = 0; g < group; ++g) {
-          float* lg = l + g * m;
-          softmax(lg, m);
-          for (int64_t j = 0; j < m; ++j) s.vote2[j] += lg[j];
-        }
-        for (int64_t j = 0; j < m; ++j) {
-          const float first = s.vote[s.order[j]];
-          if (std::isinf(first)) s.vote2[j] = first;
-        }
-        s.cand.assign(s.order.begin(), s.order.end());
-        top_m(s.vote2.data(), m, k, s.keys, s.order);
-        for (int64_t j = 0; j < k; ++j) dst[j] = s.cand[s.order[j]];
-      } else {
-        for (int64_t j = 0; j < k; ++j) dst[j] = s.order[j];
-      }
-      // 7. sequence order
-      std::sort(dst, dst + k);
-    }
+    int64_t* dst = a->idx + bh * a->k;
+    select_head(*a, bh, s, dst);
+    if (a->out_keys) recall_head(*a, bh, dst, a->k, s);
   }
+  return 0;
+}
+
+// The recall alone, of rows idx [batch, heads, k] (a->idx) picked elsewhere.
+int zk_sekv_recall_rows(const Layer* a) {
+  if (a->out_cap < a->k + 1) return 1;
+#pragma omp parallel for schedule(dynamic, 1) if (a->batch * a->heads > 1)
+  for (int64_t bh = 0; bh < a->batch * a->heads; ++bh) recall_head(*a, bh, a->idx + bh * a->k, a->k, scratch());
+  return 0;
+}
+
+// A decode step's new rows into the layer's buffers (append_rows).
+int zk_sekv_append(const Layer* a, const float* keys, const float* values, int64_t rows) {
+  if (a->d > 512) return 1;
+  append_rows(*a, keys, values, rows);
   return 0;
 }
 
@@ -563,112 +701,5 @@ int zk_sekv_codes(int64_t batch, int64_t heads, int64_t rows, int64_t d,
     for (int64_t r = 0; r < rows; ++r) encode_row(keys + (bh * rows + r) * d, mean + bh * d, rotation, d, out, bh, r);
   return 0;
 }
-
-// A decode step's new rows into every buffer sekv keeps, in one pass (what SeKV.append does in torch): their
-// codes (and finer codes) written at row `start` of the index buffers, the rows themselves at row
-// `host_start` of float32 host tiers (null: the caller appends them, a quantized tier), and the summary
-// row's running sums and count. Buffers are [batch, heads, capacity, ·] with room for the rows.
-int zk_sekv_append(int64_t batch, int64_t heads, int64_t rows, int64_t d,
-                   const float* keys, const float* values,  // [batch, heads, rows, d]
-                   const float* mean, const float* rotation,
-                   int bits1, uint8_t* codes1, int64_t codes1_cap, uint16_t* rms1, int64_t rms1_cap,
-                   int bits2, uint8_t* codes2, int64_t codes2_cap, uint16_t* rms2, int64_t rms2_cap, int64_t start,
-                   float* host_keys, int64_t host_keys_cap, float* host_values, int64_t host_values_cap,
-                   int64_t host_start,
-                   float* key_sum, float* value_sum, float* count) {  // [batch, heads, d] x 2, [batch, heads] or null
-  if (d > 512) return 1;
-  const RowCodes out{bits1, codes1, codes1_cap, rms1, rms1_cap, bits2, codes2, codes2_cap, rms2, rms2_cap};
-  std::vector<float> ks(d), vs(d);
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    std::fill(ks.begin(), ks.end(), 0.0f);
-    std::fill(vs.begin(), vs.end(), 0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* key = keys + (bh * rows + r) * d;
-      const float* value = values + (bh * rows + r) * d;
-      encode_row(key, mean + bh * d, rotation, d, out, bh, start + r);
-      if (host_keys) std::memcpy(host_keys + (bh * host_keys_cap + host_start + r) * d, key, d * 4);
-      if (host_values) std::memcpy(host_values + (bh * host_values_cap + host_start + r) * d, value, d * 4);
-      for (int64_t c = 0; c < d; ++c) ks[c] += key[c];
-      for (int64_t c = 0; c < d; ++c) vs[c] += value[c];
-    }
-    if (key_sum) {  // the rows' sum first, then added: as torch's sum += rows.sum(2)
-      for (int64_t c = 0; c < d; ++c) key_sum[bh * d + c] += ks[c];
-      for (int64_t c = 0; c < d; ++c) value_sum[bh * d + c] += vs[c];
-      count[bh] += float(rows);
-    }
-  }
-  return 0;
-}
-
-}  // extern "C"
-
-
-extern "C" {
-
-// The recalled rows and the summary row in one pass: rows idx[b, h, :k] of the host keys/values decoded into
-// the recall buffers' rows 0..k-1, and row k set to the mean of every other row, (running sum - the selected
-// rows) / (count - selected), with a logit bias of log(count - selected) + offset[h] (-inf when no row is left
-// out); selected padding rows get bias -inf and count for nothing. As zoomkv.memory.tail.with_tail computes it.
-int zk_sekv_recall(int64_t batch, int64_t heads, int64_t k, int64_t dk, int64_t dv,
-                   const int64_t* idx,                                   // [batch, heads, k]
-                   const void* keys, int64_t keys_cap, int key_bits,     // [batch, heads, keys_cap, dk | codes]
-                   const uint16_t* key_scale, const uint16_t* key_lo, int64_t key_group,
-                   int key_channel, int64_t key_scale_cap, int64_t key_coded, const float* key_residual,
-                   int64_t key_residual_cap,
-                   const void* values, int64_t values_cap, int value_bits,
-                   const uint16_t* value_scale, const uint16_t* value_lo, int64_t value_group,
-                   int value_channel, int64_t value_scale_cap, int64_t value_coded, const float* value_residual,
-                   int64_t value_residual_cap,
-                   const uint8_t* valid, int64_t valid_cap,              // [batch, valid_cap] or null
-                   const float* key_sum, const float* value_sum,         // [batch, heads, dk | dv]
-                   const float* count, const float* offset,              // [batch, heads], [heads] or null
-                   float* out_keys, float* out_values, int64_t out_cap,  // [batch, heads, out_cap, dk | dv]
-                   float* bias) {                                        // [batch, heads, k + 1]
-  if (out_cap < k + 1) return 1;
-  const HostRows key_rows{keys, keys_cap, key_bits, key_scale, key_lo, key_group,
-                          key_channel, key_scale_cap, key_coded, key_residual, key_residual_cap};
-  const HostRows value_rows{values, values_cap, value_bits, value_scale, value_lo, value_group,
-                            value_channel, value_scale_cap, value_coded, value_residual, value_residual_cap};
-#pragma omp parallel for schedule(dynamic, 1) if (batch * heads > 1)
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    const int64_t h = bh % heads;
-    const uint8_t* valid_b = valid ? valid + (bh / heads) * valid_cap : nullptr;
-    {
-      std::vector<float> sk(dk), sv(dv);
-      const int64_t* rows = idx + bh * k;
-      float* ok = out_keys + bh * out_cap * dk;
-      float* ov = out_values + bh * out_cap * dv;
-      float* bb = bias + bh * (k + 1);
-      std::fill(sk.begin(), sk.end(), 0.0f);
-      std::fill(sv.begin(), sv.end(), 0.0f);
-      float chosen = 0.0f;
-      for (int64_t i = 0; i < k; ++i) {
-        key_rows.prefetch(bh, rows[i], dk);
-        value_rows.prefetch(bh, rows[i], dv);
-      }
-      for (int64_t i = 0; i < k; ++i) {
-        float* kr = ok + i * dk;
-        float* vr = ov + i * dv;
-        key_rows.read(bh, rows[i], dk, kr);
-        value_rows.read(bh, rows[i], dv, vr);
-        if (valid_b && !valid_b[rows[i]]) {
-          bb[i] = -kInf;
-          continue;
-        }
-        bb[i] = 0.0f;
-        chosen += 1.0f;
-        for (int64_t c = 0; c < dk; ++c) sk[c] += kr[c];
-        for (int64_t c = 0; c < dv; ++c) sv[c] += vr[c];
-      }
-      const float rest = count[bh] - chosen;
-      const float denom = std::max(rest, 1.0f);
-      for (int64_t c = 0; c < dk; ++c) ok[k * dk + c] = (key_sum[bh * dk + c] - sk[c]) / denom;
-      for (int64_t c = 0; c < dv; ++c) ov[k * dv + c] = (value_sum[bh * dv + c] - sv[c]) / denom;
-      bb[k] = rest > 0.5f ? std::log(denom) + (offset ? offset[h] : 0.0f) : -kInf;
-    }
-  }
-  return 0;
-}
-
 
 }  // extern "C"
