@@ -274,3 +274,19 @@ def test_native_append_writes_what_the_torch_append_writes(config, kwargs, kv_qu
             assert (got != ref).float().mean() < 1e-2, name
         else:
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kv_quant", [None, "k8v4", "kivi4"])
+def test_the_compiled_step_follows_buffers_that_grow_or_change_hands(config, kv_quant):
+    """The layer's compiled step is laid out once; appends past every buffer's capacity (they grow and move)
+    and appends by the torch path in between (rows it did not see) must not leave it reading stale memory."""
+    method = SeKV(rescore_from="host" if kv_quant else "codes")
+    memory, g = _memory(config, method, t=200, budget=40, seed=12, batch=2, kv_quant=kv_quant)
+    for step in range(150):
+        key, value = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+        with native.torch_path() if step % 7 == 3 else contextlib.nullcontext():
+            method.append(memory, key, value)
+        if step % 10 == 9:
+            _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, D, generator=g)))
+    assert memory.host_tier["keys"].length == 350
+    assert memory.meta["native_layer"].args.n == 350

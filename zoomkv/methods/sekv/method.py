@@ -468,12 +468,13 @@ class SeKV(RecallableMethod):
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        if (not memory.meta["low_rank"] and key.dtype == value.dtype == torch.float32 and native.usable(key)
-                and key.shape[-1] == memory.key_dim and value.shape[-1] == memory.value_dim):
+        plan = memory.meta.get(NATIVE)  # the compiled step, checked once when laid out: few lines a step
+        if plan is None and not memory.meta["low_rank"] and native.usable(key):
             plan = self._native_layer(memory)
-            if plan.appends:
-                plan.append(key, value)
-                return
+        if (plan is not None and plan.appends and key.dtype is torch.float32 and value.dtype is torch.float32
+                and key.is_cpu and native.enabled()):
+            plan.append(key, value)
+            return
         if memory.meta["low_rank"]:
             host = memory.host_tier
             first = host_length(memory)
@@ -610,6 +611,7 @@ class SeKV(RecallableMethod):
                 gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
                 offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
                 summary_prefix=TAIL if c.summary_row else None)
+            plan.appends &= not memory.meta["low_rank"]  # rank-gated host rows are projected in torch first
             if plan.recall:
                 memory.meta["summary_slot"] = True
         return plan
@@ -619,18 +621,19 @@ class SeKV(RecallableMethod):
         k = memory.meta["budget"] - self.config.summary_row  # the summary row is the budget's last row
         idx = None
         if n > k:
-            c = self.config
-            two_stages = c.rescore_bits or c.rescore_from == "host"
-            m = min(n, self._candidates(memory.meta["budget"])) if two_stages else k
             # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
-            if native.usable(query):
-                plan = self._native_layer(memory)
+            plan = memory.meta.get(NATIVE)
+            if plan is not None and query.is_cpu and native.enabled() or plan is None and native.usable(query):
+                plan = plan or self._native_layer(memory)
                 idx = plan.step(query)
                 if plan.recall:
                     return Selection(*plan.selected, plan.bias)
                 if plan.split:  # stage two from a host tier the kernel cannot read
                     idx = self._rescore_host(memory, query, idx, self._forced(memory, idx, n), k).sort(dim=-1).values
             else:
+                c = self.config
+                two_stages = c.rescore_bits or c.rescore_from == "host"
+                m = min(n, self._candidates(memory.meta["budget"])) if two_stages else k
                 idx = self._pick(memory, query, n, m, k)
         valid = host_valid(memory)
         h = memory.device_tier["code_mean"].shape[1]

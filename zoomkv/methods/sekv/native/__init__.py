@@ -131,7 +131,7 @@ class NativeLayer:
     call to append and one to select and recall, with a few fields set in between: on the CPU, each Python
     line of a step runs with caches the model's weights just flushed, so a step's Python costs more than its C.
 
-    Built by ``SeKV`` after the prefill (``memory.meta[PLAN]``), refreshed whenever a buffer may have moved:
+    Built by ``SeKV`` after the prefill (``memory.meta["native_layer"]``), refreshed whenever a buffer may have moved:
     before it grows one, and when the rows held are not the rows it last saw (anything else appended). Its
     kernel call picks ``k`` rows per KV head and, with ``recall``, decodes them and the summary row into the
     recall buffers; without, it returns the picks (``split``: stage one's ``m`` candidates, rescored in torch)."""
@@ -139,7 +139,7 @@ class NativeLayer:
     def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, two_stages: bool,
                  fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
                  summary_prefix: str | None):
-        self.memory, self.dev, self.host = memory, memory.device_tier, memory.host_tier
+        self.dev, self.host = memory.device_tier, memory.host_tier
         self.k, self.m_max, self.two_stages = k, m_max, two_stages
         self.args = a = LayerArgs()
         self.ref = ctypes.byref(a)
@@ -178,6 +178,8 @@ class NativeLayer:
         readable = tuple(host_rows(self.host[name]) is not None and _width(self.host[name]) == dim
                          for name, dim in (("keys", a.d), ("values", a.dv)))
         self.readable = readable
+        self.relaid = [n for n, ok in zip(("keys", "values"), readable, strict=True)
+                       if ok and type(self.host[n]) is ChannelQuantizedRowBuffer]
         self.split = rescore_host and not readable[0]  # a host tier the kernel cannot read: stage two in torch
         a.rescore_host = int(rescore_host and not self.split)
         # the recall with the summary row after the rows (summary_prefix), decoded from any host format it reads
@@ -187,6 +189,13 @@ class NativeLayer:
             self.recall = all(dev[f"recall_{name}"].dtype == torch.float32 for name in ("keys", "values"))
         a.append_keys = int(type(self.host["keys"]) is RowBuffer)
         a.append_values = int(type(self.host["values"]) is RowBuffer)
+        # what a step's append touches, worked out once: the buffers the kernel writes (their lengths move
+        # here), the quantized tiers that code their own rows, those whose layout moves every append
+        self.written = [self.codes, self.rms, *(self.fine or ())]
+        self.written += [self.host[n] for n, own in (("keys", a.append_keys), ("values", a.append_values)) if own]
+        self.coded = [(self.host[n], n) for n, own in (("keys", a.append_keys), ("values", a.append_values)) if not own]
+        self.valid = self.host.get("valid")
+        self.lib = library()
         self.refresh()
 
     def refresh(self) -> None:
@@ -232,27 +241,19 @@ class NativeLayer:
                 buf.reserve(t)
             self.refresh()
         key, value = key.contiguous(), value.contiguous()  # held in names for the call
-        keys_buf, values_buf = host["keys"], host["values"]
-        if not a.append_keys:  # a quantized tier codes its rows itself (memory/quant.cpp)
-            keys_buf.append(key)
-        if not a.append_values:
-            values_buf.append(value)
-        for name, ok in zip(("keys", "values"), self.readable, strict=True):
-            if ok and type(host[name]) is ChannelQuantizedRowBuffer:  # KIVI's newest rows move with every append
-                setattr(a, name, HostArgs(*host_rows(host[name])))
-        if library().zk_sekv_append(self.ref, key.data_ptr(), value.data_ptr(), t):
+        if key.shape[-1] != a.d or value.shape[-1] != a.dv:
+            raise ValueError(f"sekv's native append holds rows of {a.d} / {a.dv} channels, not {key.shape[-1]} / "
+                             f"{value.shape[-1]}")
+        for buf, row in self.coded:  # a quantized tier codes its rows itself (memory/quant.cpp)
+            buf.append(key if row == "keys" else value)
+        for name in self.relaid:  # KIVI's newest rows move with every append
+            setattr(a, name, HostArgs(*host_rows(host[name])))
+        if self.lib.zk_sekv_append(self.ref, key.data_ptr(), value.data_ptr(), t):
             raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {key.shape[-1]}")
-        self.codes.length += t
-        self.rms.length += t
-        if self.fine is not None:
-            self.fine[0].length += t
-            self.fine[1].length += t
-        if a.append_keys:
-            keys_buf.length += t
-        if a.append_values:
-            values_buf.length += t
-        if "valid" in host:  # generated rows are real tokens
-            host["valid"].append(torch.ones(key.shape[0], 1, t, 1, dtype=torch.bool))
+        for buf in self.written:
+            buf.length += t
+        if self.valid is not None:  # generated rows are real tokens
+            self.valid.append(torch.ones(key.shape[0], 1, t, 1, dtype=torch.bool))
         a.n += t
         self.room -= t
 
@@ -270,7 +271,7 @@ class NativeLayer:
         a.k = a.m if self.split else self.k
         idx = torch.empty(b, h, a.k, dtype=torch.long)
         a.idx = idx.data_ptr()
-        lib = library()
+        lib = self.lib
         if self.recall:
             self.bias = torch.empty(b, h, self.k + 1)
             a.bias = self.bias.data_ptr()
