@@ -187,8 +187,8 @@ class NativeLayer:
         if self.recall:
             reserve_recall_buffer(memory, k + 1)  # the summary row's slot is one of the budget's rows
             self.recall = all(dev[f"recall_{name}"].dtype == torch.float32 for name in ("keys", "values"))
-        a.append_keys = int(type(self.host["keys"]) is RowBuffer)
-        a.append_values = int(type(self.host["values"]) is RowBuffer)
+        a.append_keys, a.append_values = (int(type(self.host[n]) is RowBuffer and self.host[n].data.dtype == torch.float32)
+                                          for n in ("keys", "values"))
         # what a step's append touches, worked out once: the buffers the kernel writes (their lengths move
         # here), the quantized tiers that code their own rows, those whose layout moves every append
         self.written = [self.codes, self.rms, *(self.fine or ())]
