@@ -300,6 +300,8 @@ class QuantizedRowBuffer(RowBuffer):
         n, d = rows.shape[2], rows.shape[3]
         for p in (codes, scale, lo):
             p.reserve(n)
+        if not (codes.data.is_contiguous() and scale.data.is_contiguous() and lo.data.is_contiguous()):
+            return False  # the kernel writes [b·h, capacity, ·] storage
         x = rows.contiguous()  # held in a name for the call
         rc = lib.zk_quant_rows(x.shape[0] * x.shape[1], n, d, min(self.group, d), self.bits, x.data_ptr(),
                                codes.data.data_ptr(), codes.capacity, scale.data.data_ptr(), scale.capacity,
