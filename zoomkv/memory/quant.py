@@ -30,7 +30,7 @@ import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
-from zoomkv.native import Kernel, enabled
+from zoomkv.native import Kernel
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 # new rows quantized per token, bit for bit as quantize(): QuantizedRowBuffer's append on CPU float32 rows
@@ -292,11 +292,9 @@ class QuantizedRowBuffer(RowBuffer):
         decode step appends one row a layer, where the torch path's dozen ops cost more than the coding).
         False, nothing appended, where it does not apply; the torch path then codes the rows."""
         codes, scale, lo = self.codes, self.scale, self.lo
-        if rows.dtype != torch.float32 or not (rows.is_cpu and codes.data.is_cpu and enabled()):
+        if rows.dtype != torch.float32 or not ROW_QUANTIZER.usable(rows, codes.data):
             return False
         lib = ROW_QUANTIZER.library()
-        if lib is None:
-            return False
         n, d = rows.shape[2], rows.shape[3]
         for p in (codes, scale, lo):
             p.reserve(n)

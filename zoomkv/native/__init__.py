@@ -109,6 +109,6 @@ class Kernel:
 
     def usable(self, *tensors: torch.Tensor) -> bool:
         """Whether a call can take the kernel: enabled, CPU tensors, and the library built."""
-        if not enabled() or any(t.device.type != "cpu" for t in tensors):
+        if not enabled() or not all(t.is_cpu for t in tensors):
             return False
         return self.library() is not None

@@ -468,13 +468,11 @@ class SeKV(RecallableMethod):
     # -- decode -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        plan = memory.meta.get(NATIVE)  # the compiled step, checked once when laid out: few lines a step
-        if plan is None and not memory.meta["low_rank"] and native.usable(key):
+        if key.dtype is torch.float32 and value.dtype is torch.float32 and native.usable(key):
             plan = self._native_layer(memory)
-        if (plan is not None and plan.appends and key.dtype is torch.float32 and value.dtype is torch.float32
-                and key.is_cpu and native.enabled()):
-            plan.append(key, value)
-            return
+            if plan.appends:
+                plan.append(key, value)
+                return
         if memory.meta["low_rank"]:
             host = memory.host_tier
             first = host_length(memory)
@@ -597,6 +595,12 @@ class SeKV(RecallableMethod):
             forced = forced | (cand[..., None] == sinks).any(-1)
         return forced
 
+    def _stage_one(self, budget: int) -> int:
+        """The rows stage one keeps at most: the candidates a second stage rescores, or the budget's rows."""
+        c = self.config
+        two_stages = c.rescore_bits or c.rescore_from == "host"
+        return self._candidates(budget) if two_stages else budget - c.summary_row
+
     def _native_layer(self, memory) -> native.NativeLayer:
         """This layer's compiled step (``native.NativeLayer``), laid out once after the prefill."""
         plan = memory.meta.get(NATIVE)
@@ -606,8 +610,7 @@ class SeKV(RecallableMethod):
             h, d = dev["code_mean"].shape[1], memory.key_dim
             plan = memory.meta[NATIVE] = native.NativeLayer(
                 memory, code_bits=c.code_bits, anchor_bits=c.anchor_bits, recent=c.recent, k=budget - c.summary_row,
-                m_max=self._candidates(budget), two_stages=bool(c.rescore_bits or c.rescore_from == "host"),
-                fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
+                m_max=self._stage_one(budget), fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
                 gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
                 offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
                 summary_prefix=TAIL if c.summary_row else None)
@@ -622,19 +625,15 @@ class SeKV(RecallableMethod):
         idx = None
         if n > k:
             # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
-            plan = memory.meta.get(NATIVE)
-            if plan is not None and query.is_cpu and native.enabled() or plan is None and native.usable(query):
-                plan = plan or self._native_layer(memory)
+            if native.usable(query):
+                plan = self._native_layer(memory)
                 idx = plan.step(query)
                 if plan.recall:
                     return Selection(*plan.selected, plan.bias)
                 if plan.split:  # stage two from a host tier the kernel cannot read
                     idx = self._rescore_host(memory, query, idx, self._forced(memory, idx, n), k).sort(dim=-1).values
             else:
-                c = self.config
-                two_stages = c.rescore_bits or c.rescore_from == "host"
-                m = min(n, self._candidates(memory.meta["budget"])) if two_stages else k
-                idx = self._pick(memory, query, n, m, k)
+                idx = self._pick(memory, query, n, min(n, self._stage_one(memory.meta["budget"])), k)
         valid = host_valid(memory)
         h = memory.device_tier["code_mean"].shape[1]
         rk, rv = self._recall(memory, idx)

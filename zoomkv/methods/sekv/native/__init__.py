@@ -136,11 +136,10 @@ class NativeLayer:
     kernel call picks ``k`` rows per KV head and, with ``recall``, decodes them and the summary row into the
     recall buffers; without, it returns the picks (``split``: stage one's ``m`` candidates, rescored in torch)."""
 
-    def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, two_stages: bool,
-                 fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
+    def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
                  summary_prefix: str | None):
         self.dev, self.host = memory.device_tier, memory.host_tier
-        self.k, self.m_max, self.two_stages = k, m_max, two_stages
+        self.k, self.m_max = k, m_max  # m_max: the rows stage one keeps at most (k: one stage)
         self.args = a = LayerArgs()
         self.ref = ctypes.byref(a)
         dev = self.dev
@@ -267,7 +266,7 @@ class NativeLayer:
         b, h = a.batch, a.heads
         q = query.float().reshape(b, -1, a.d).contiguous()  # [b, h·g·q, d]: KV head i's group is rows i·g·q ...
         a.query, a.query_rows = q.data_ptr(), q.shape[1] // h
-        a.m = min(a.n, self.m_max) if self.two_stages else self.k
+        a.m = min(a.n, self.m_max)
         a.k = a.m if self.split else self.k
         idx = torch.empty(b, h, a.k, dtype=torch.long)
         a.idx = idx.data_ptr()

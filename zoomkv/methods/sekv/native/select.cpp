@@ -11,7 +11,7 @@
 //      512 adds a byte), so a row's estimated logit is rms * sum of one lookup per byte;
 //   3. anchors (the surprising rows) rescored with their finer codes, padding rows at -inf;
 //   4. a softmax per query head over all rows, summed over the group: the vote;
-//   5. sinks and the newest rows forced in (+inf), padding out (-inf); the best m by vote (nth_element);
+//   5. sinks and the newest rows forced in (+inf), padding out (-inf); the best m by vote (radix select);
 //   6. when m > k, the candidates' finer host codes rescore them (a second table, a softmax over the m
 //      candidates), or with rescore_from="host" the host tier's own keys, decoded as read; the forced rows
 //      stay forced, and the best k remain;
@@ -361,18 +361,14 @@ void rescore_host_rows(const HostRows& keys, int64_t bh, const float* q, int64_t
   float* l = s.part.data();
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * d;
-    float top = -kInf;
     for (int64_t j = 0; j < m; ++j) {
       const float* r = s.rows.data() + j * d;
       float acc = 0.0f;
       for (int64_t i = 0; i < d; ++i) acc += qg[i] * r[i];
       l[j] = acc * scaling;
-      top = std::max(top, l[j]);
     }
-    float total = 0.0f;
-    for (int64_t j = 0; j < m; ++j) total += (l[j] = exp_nonpositive(l[j] - top));
-    const float inv = 1.0f / total;
-    for (int64_t j = 0; j < m; ++j) s.vote2[j] += l[j] * inv;
+    softmax(l, m);
+    for (int64_t j = 0; j < m; ++j) s.vote2[j] += l[j];
   }
   for (int64_t j = 0; j < m; ++j) {
     const int64_t row = cand[j];
