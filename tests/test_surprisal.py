@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoomkv import ZoomCache
+from zoomkv import ZoomCache, native
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory.replay import cache_from_record, record_prefill
-from zoomkv.memory.surprisal import _bf16_fits, token_surprisal
+from zoomkv.memory.surprisal import SURPRISAL, _bf16_fits, _nll, token_surprisal
 from zoomkv.methods.full import Full
 from zoomkv.models import load_model
 
@@ -77,3 +77,33 @@ def test_the_teachers_surprisal_stays_float32_exact():
         hidden = model.model(input_ids=ids).last_hidden_state
     got = token_surprisal(hidden, ids, model.get_output_embeddings())
     torch.testing.assert_close(got[0, 1:], _reference(model, ids, torch.ones_like(ids))[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(SURPRISAL.library() is None, reason="no C++ compiler: surprisal takes the torch path")
+def test_the_compiled_surprisal_equals_torchs_log_softmax():
+    # bf16 logits as the fast projection writes them: wide and narrow rows, a row far below zero (every term of
+    # its sum is tiny next to the max), a vocabulary that is not a multiple of the vector width; then a row with
+    # an infinite logit, where neither path has a number.
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 33, 1003, generator=g) * torch.tensor([0.1, 4.0, 30.0]).repeat(11)[None, :, None])
+    logits[1, 5] -= 500.0
+    logits = logits.to(torch.bfloat16)
+    target = torch.randint(0, 1003, (2, 33), generator=g)
+    got = _nll(logits, target, None)
+    with native.torch_path():
+        ref = _nll(logits, target, None)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    logits[0, 3, 7] = float("inf")
+    assert bool(_nll(logits, target, None)[0, 3].isnan()) and bool(_nll(logits, target, None)[0, 4].isfinite())
+
+
+def test_fast_surprisal_without_the_compiled_kernel_is_the_same():
+    model, _ = load_model("tiny-llama")
+    ids = torch.randint(3, 250, (2, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+    got = token_surprisal(hidden, ids, model.get_output_embeddings(), fast=True, chunk=16)
+    with native.torch_path():
+        ref = token_surprisal(hidden, ids, model.get_output_embeddings(), fast=True, chunk=16)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
