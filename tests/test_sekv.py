@@ -447,6 +447,32 @@ def test_rank_gates_keep_the_anchors_exact_on_the_host_tier(config):
     assert memory.host_bytes > plain.host_bytes  # the exact copies are counted
 
 
+@pytest.mark.parametrize("bits, tol", [(16, 1e-2), (8, 6e-2)])
+def test_a_quantized_host_tier_recalls_the_anchors_from_their_finer_copy(config, bits, tol):
+    keys, values, query = _pointed_keys(t=200, target=70)
+    surprisal = torch.zeros(1, 200)
+    surprisal[0, [70, 120]] = 10.0  # two surprising tokens: the anchors
+    fine = SeKV(host_anchor_bits=bits)
+    memory = _memory(config, fine, keys, values, surprisal, budget=40, kv_quant="int2")
+    assert memory.device_tier["anchor_pos"].tolist() == [[70, 120]]
+    assert memory.host_tier["exact_anchor_values"].view().shape == (1, H, 2, D)
+    rk, rv = fine._recall(memory, None)
+    for row in (70, 120):
+        assert (rk[:, :, row] - keys[:, :, row]).abs().max() < tol
+        assert (rv[:, :, row] - values[:, :, row]).abs().max() < tol
+    assert (rk[:, :, 71] - keys[:, :, 71]).abs().max() > 0.2  # the other rows: 2-bit codes
+    plain = _memory(config, SeKV(), keys, values, surprisal, budget=40, kv_quant="int2")
+    assert memory.host_bytes > plain.host_bytes  # the copies are counted
+    # a decode step (the compiled selection where it builds, the recall in torch) returns the finer row 70
+    def nearest(sel):  # per head: how far the closest selected key is from row 70's
+        return (sel.keys - keys[:, :, 70, None]).abs().amax(-1).amin(-1)
+    assert bool((nearest(fine.select(memory, query)) < tol).all())
+    assert bool((nearest(SeKV().select(plain, query)) > 0.2).all())
+    assert _memory(config, fine, keys, values, surprisal, budget=40).host_tier.get("exact_anchor_keys") is None
+    with pytest.raises(ConfigError, match="host_anchor_bits"):
+        SeKV(host_anchor_bits=4)
+
+
 def test_rank_gates_keep_rows_after_compression_exact(config):
     keys, values, _ = _pointed_keys(t=200, target=70)
     adapter = SeKVAdapter(4, H, D)

@@ -15,7 +15,7 @@ choices:
   ``matmul`` takes the batched path, ~10% slower);
 - the log-softmax and the target's logit come from one compiled pass over the bf16 logits
   (``surprisal.cpp``: 0.03 s, against ~0.3 s for torch's float copy, log-softmax and gather);
-- 256 positions a chunk (25 MB of bf16 logits).
+- 256 rows of logits a chunk (positions × sequences; 25 MB in bf16).
 
 Without the compiled kernel (no compiler, ``ZOOMKV_NATIVE=0``) torch computes the same numbers. Training's
 teacher records keep the float32 projection.
@@ -57,8 +57,9 @@ def token_surprisal(
     b, t, _ = hidden.shape
     out = torch.zeros(b, t, dtype=torch.float32, device=hidden.device)
     project = _bf16_head(lm_head) if fast and _bf16_fits(lm_head, hidden) else lm_head
-    for start in range(0, t - 1, chunk):
-        stop = min(start + chunk, t - 1)
+    step = max(1, chunk // b)  # `chunk` rows of logits at a time, whatever the batch
+    for start in range(0, t - 1, step):
+        stop = min(start + step, t - 1)
         logits = project(hidden[:, start:stop])
         target = input_ids[:, start + 1 : stop + 1].to(logits.device)
         out[:, start + 1 : stop + 1] = _nll(logits, target, softcap)

@@ -40,7 +40,7 @@ import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.memory.quant import BITS as QUANT_BITS
-from zoomkv.memory.quant import FORMATS_HELP, is_format
+from zoomkv.memory.quant import FORMATS_HELP, QuantSpec, is_format, row_buffer
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv import native
@@ -114,6 +114,12 @@ class SeKVConfig(MethodConfig):
         default=False, metadata={"help": "keep the anchors (the surprising tokens: names, numbers) exact on the host "
                                          "tier under rank gates; the rest of the rows go low-rank"}
     )
+    host_anchor_bits: int = field(
+        default=0, metadata={"help": "a second copy of the anchors' rows (the surprising tokens) beside a quantized "
+                                     "host tier, recalled instead of their coarser codes: 8 (int8 per token) or 16 "
+                                     "(fp16); 0: none. Counted in the host bytes; unused when the host rows are "
+                                     "exact. The compiled step then leaves the recall to torch"}
+    )
     host_format: str = field(
         default="none", metadata={"help": "the host tier's KV format when the command names none (int8, int4, "
                                          "kivi4, kivi2, ...; none: full precision); a trained adapter records "
@@ -146,6 +152,8 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"host_key_basis must be one of {HOST_KEY_BASES}, got {self.host_key_basis!r}")
         if self.rescore_from not in RESCORE_SOURCES:
             raise ConfigError(f"rescore_from must be one of {RESCORE_SOURCES}, got {self.rescore_from!r}")
+        if self.host_anchor_bits not in (0, 8, 16):
+            raise ConfigError(f"host_anchor_bits must be 0, 8 or 16, got {self.host_anchor_bits}")
         if self.host_format not in ("none", "") and not is_format(self.host_format):
             raise ConfigError(f"host_format must be none or one of {FORMATS_HELP}, got {self.host_format!r}")
         bits = self.host_bits
@@ -339,6 +347,8 @@ class SeKV(RecallableMethod):
         if not compressed or (keep_k is None and keep_v is None):
             # while the context fits the budget every row stays exact (B >= context is full attention)
             store_host_rows(memory, ctx)
+            if compressed:
+                self._store_fine_anchors(memory, ctx, anchors)
             return
         c = self.config
         if keep_k is not None and c.rescore_from == "host":  # the rescoring would read coordinates as keys
@@ -391,6 +401,22 @@ class SeKV(RecallableMethod):
             host["late_keys"] = memory.host_rows(ctx.keys[:, :, :0])
             host["late_values"] = memory.host_rows(ctx.values[:, :, :0])
 
+    def _store_fine_anchors(self, memory, ctx: PrefillContext, anchors: torch.Tensor | None) -> None:
+        """``host_anchor_bits``: the anchors' keys and values once more, at 8 or 16 bits, beside a quantized host
+        tier; the recall takes them instead of the anchors' coarser codes (``_exact_listed``)."""
+        bits, spec = self.config.host_anchor_bits, memory.cache.kv_quant
+        if not bits or spec is None or anchors is None or not anchors.shape[1]:
+            return
+        at = anchors.clamp_min(0)[:, None, :, None]  # -1 (no anchor) copies row 0, which no recall matches
+        for name in ("keys", "values"):
+            rows = getattr(ctx, name)
+            picked = memory.to_host(rows.gather(2, at.expand(-1, rows.shape[1], -1, rows.shape[-1])))
+            memory.host_tier[f"exact_anchor_{name}"] = (
+                RowBuffer(picked.half(), pinned=memory.pin_host) if bits == 16
+                else row_buffer(picked, QuantSpec(bits=8, group_size=spec.group_size).for_rows(name),
+                                pinned=memory.pin_host))
+        memory.meta["exact_anchors"] = True  # their positions: dev["anchor_pos"], which compress stores
+
     @staticmethod
     def _angles(memory, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[b, h | 1, k, d]`` of host rows ``rows`` (indices, ``[b | 1, h | 1, k]``) at their positions."""
@@ -412,12 +438,14 @@ class SeKV(RecallableMethod):
 
     def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
-        if not memory.meta["low_rank"]:
+        if not memory.meta["low_rank"] and not memory.meta.get("exact_anchors"):
             return recall_rows(memory, keys, values, idx)
         with phase("recall"):
-            return self._recall_low_rank(memory, keys, values, idx)
+            return self._recall_rebuilt(memory, keys, values, idx)
 
-    def _recall_low_rank(self, memory, keys, values, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recall_rebuilt(self, memory, keys, values, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recall where host rows are not the rows: coordinates rebuilt along their directions (rank gates),
+        then the rows kept exact or finer elsewhere (sinks, anchors, late rows) swapped in."""
         dev = memory.device_tier
         k = keys.length if idx is None else idx.shape[2]
         reserve_recall_buffer(memory, k)
@@ -613,7 +641,8 @@ class SeKV(RecallableMethod):
                 m_max=self._stage_one(budget), fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
                 gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
                 offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
-                summary_prefix=TAIL if c.summary_row else None)
+                summary_prefix=TAIL if c.summary_row else None,
+                recall=not memory.meta.get("exact_anchors"))  # the anchors' finer copies are swapped in in torch
             plan.appends &= not memory.meta["low_rank"]  # rank-gated host rows are projected in torch first
             if plan.recall:
                 memory.meta["summary_slot"] = True

@@ -137,7 +137,7 @@ class NativeLayer:
     recall buffers; without, it returns the picks (``split``: stage one's ``m`` candidates, rescored in torch)."""
 
     def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
-                 summary_prefix: str | None):
+                 summary_prefix: str | None, recall: bool = True):
         self.dev, self.host = memory.device_tier, memory.host_tier
         self.k, self.m_max = k, m_max  # m_max: the rows stage one keeps at most (k: one stage)
         self.args = a = LayerArgs()
@@ -163,7 +163,7 @@ class NativeLayer:
             a.anchors = anchors[0].shape[1]
             a.anchor_pos, a.anchor_codes, a.anchor_rms = (t.data_ptr() for t in anchors)
         # the append writes every buffer (False: another dtype's running sums, which the torch append keeps)
-        self.appends, recall = True, True
+        self.appends = True  # recall=False: the caller recalls in torch (rows it swaps after decoding)
         if summary_prefix is not None:
             sums = [dev[f"{summary_prefix}_{name}"] for name in ("key_sum", "value_sum", "count")]
             if all(t.dtype == torch.float32 and t.is_contiguous() for t in sums):
