@@ -126,6 +126,28 @@ def test_native_recall_decodes_a_quantized_host_tier(config, kv_quant, d, rescor
         _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, d, generator=g)))
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("kv_quant", ["int2", "kivi4v2"])
+def test_the_compiled_recall_reads_the_anchors_finer_copies(config, bits, kv_quant):
+    """host_anchor_bits: a recalled anchor comes from its finer copy, in C (8-bit copies) or in torch (fp16
+    ones), with the rows and summary row the torch path gives; the selection is the one without copies."""
+    kwargs = {"rescore_from": "host", "anchor_fraction": 0.3}
+    method, plain = SeKV(host_anchor_bits=bits, **kwargs), SeKV(**kwargs)
+    memory, g = _memory(config, method, t=254, budget=40, seed=9, batch=2, d=64, kv_quant=kv_quant)
+    coarse, _ = _memory(config, plain, t=254, budget=40, seed=9, batch=2, d=64, kv_quant=kv_quant)
+    for _ in range(2):
+        key, value = torch.randn(2, H, 1, 64, generator=g), torch.randn(2, H, 1, 64, generator=g)
+        method.append(memory, key, value)
+        plain.append(coarse, key, value)
+        query = torch.randn(2, H * G, 1, 64, generator=g)
+        reference, fast = _both(method, memory, query)
+        _assert_same(reference, fast)
+        without = plain.select(coarse, query)
+        assert not torch.equal(fast.keys, without.keys)  # some anchors were recalled, finer
+    plan = memory.meta["native_layer"]
+    assert plan.args.anchor_copies == (bits == 8) and plan.recall == (bits == 8)
+
+
 @pytest.mark.parametrize("rescore_from", ["codes", "host"])
 def test_native_router_keeps_padding_out(config, rescore_from):
     lengths = torch.tensor([300, 180])

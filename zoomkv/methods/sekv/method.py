@@ -118,7 +118,7 @@ class SeKVConfig(MethodConfig):
         default=0, metadata={"help": "a second copy of the anchors' rows (the surprising tokens) beside a quantized "
                                      "host tier, recalled instead of their coarser codes: 8 (int8 per token) or 16 "
                                      "(fp16); 0: none. Counted in the host bytes; unused when the host rows are "
-                                     "exact. The compiled step then leaves the recall to torch"}
+                                     "exact"}
     )
     host_format: str = field(
         default="none", metadata={"help": "the host tier's KV format when the command names none (int8, int4, "
@@ -641,8 +641,7 @@ class SeKV(RecallableMethod):
                 m_max=self._stage_one(budget), fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
                 gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
                 offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
-                summary_prefix=TAIL if c.summary_row else None,
-                recall=not memory.meta.get("exact_anchors"))  # the anchors' finer copies are swapped in in torch
+                summary_prefix=TAIL if c.summary_row else None)
             plan.appends &= not memory.meta["low_rank"]  # rank-gated host rows are projected in torch first
             if plan.recall:
                 memory.meta["summary_slot"] = True

@@ -51,7 +51,8 @@ class LayerArgs(ctypes.Structure):
                 ("rescore_host", _I64), ("keys", HostArgs), ("values", HostArgs),
                 ("key_sum", _P), ("value_sum", _P), ("count", _P), ("offset", _P),
                 ("out_keys", _P), ("out_values", _P), ("out_cap", _I64),
-                ("append_keys", _I64), ("append_values", _I64)]
+                ("append_keys", _I64), ("append_values", _I64),
+                ("anchor_copies", _I64), ("anchor_keys", HostArgs), ("anchor_values", HostArgs)]
 
 
 _LAYER = ctypes.POINTER(LayerArgs)
@@ -137,7 +138,7 @@ class NativeLayer:
     recall buffers; without, it returns the picks (``split``: stage one's ``m`` candidates, rescored in torch)."""
 
     def __init__(self, memory, *, code_bits: int, anchor_bits: int, recent: int, k: int, m_max: int, fine_bits: int, rescore_host: bool, gains: torch.Tensor | None, offset: torch.Tensor | None,
-                 summary_prefix: str | None, recall: bool = True):
+                 summary_prefix: str | None):
         self.dev, self.host = memory.device_tier, memory.host_tier
         self.k, self.m_max = k, m_max  # m_max: the rows stage one keeps at most (k: one stage)
         self.args = a = LayerArgs()
@@ -163,7 +164,7 @@ class NativeLayer:
             a.anchors = anchors[0].shape[1]
             a.anchor_pos, a.anchor_codes, a.anchor_rms = (t.data_ptr() for t in anchors)
         # the append writes every buffer (False: another dtype's running sums, which the torch append keeps)
-        self.appends = True  # recall=False: the caller recalls in torch (rows it swaps after decoding)
+        self.appends, recall = True, True
         if summary_prefix is not None:
             sums = [dev[f"{summary_prefix}_{name}"] for name in ("key_sum", "value_sum", "count")]
             if all(t.dtype == torch.float32 and t.is_contiguous() for t in sums):
@@ -179,6 +180,14 @@ class NativeLayer:
         self.readable = readable
         self.relaid = [n for n, ok in zip(("keys", "values"), readable, strict=True)
                        if ok and type(self.host[n]) is ChannelQuantizedRowBuffer]
+        # host_anchor_bits: the anchors' finer copies (fixed after the prefill), read in place of their rows
+        copies = [self.host.get(f"exact_anchor_{name}") for name in ("keys", "values")]
+        if copies[0] is not None and a.anchors:
+            found = [host_rows(c) for c in copies]
+            if all(f is not None for f in found):
+                a.anchor_copies, a.anchor_keys, a.anchor_values = 1, HostArgs(*found[0]), HostArgs(*found[1])
+            else:
+                recall = False  # copies the kernel cannot read (fp16): the torch recall swaps them in
         self.split = rescore_host and not readable[0]  # a host tier the kernel cannot read: stage two in torch
         a.rescore_host = int(rescore_host and not self.split)
         # the recall with the summary row after the rows (summary_prefix), decoded from any host format it reads

@@ -479,6 +479,10 @@ struct Layer {
   float* out_values;
   int64_t out_cap;
   int64_t append_keys, append_values;  // the append writes float32 host rows (else the caller codes them)
+  // host_anchor_bits: the anchors' rows once more, finer, [batch, heads, anchors, d]; the recall reads a row
+  // that is an anchor (anchor_pos) from here instead of from keys / values
+  int64_t anchor_copies;
+  HostRows anchor_keys, anchor_values;
 };
 
 // Steps 1-7 above for (sequence, KV head) bh: the k rows picked into dst, in sequence order.
@@ -599,11 +603,22 @@ void recall_head(const Layer& a, int64_t bh, const int64_t* rows, int64_t k, Scr
     a.keys.prefetch(bh, rows[i], dk);
     a.values.prefetch(bh, rows[i], dv);
   }
+  // rows and anchor positions both ascend (the anchors' -1 placeholders first): one walk matches them
+  const int64_t* anchor_at = a.anchor_copies ? a.anchor_pos + (bh / a.heads) * a.anchors : nullptr;
+  int64_t next = 0;
   for (int64_t i = 0; i < k; ++i) {
     float* kr = ok + i * dk;
     float* vr = ov + i * dv;
-    a.keys.read(bh, rows[i], dk, kr);
-    a.values.read(bh, rows[i], dv, vr);
+    if (anchor_at) {
+      while (next < a.anchors && anchor_at[next] < rows[i]) ++next;
+    }
+    if (anchor_at && next < a.anchors && anchor_at[next] == rows[i]) {
+      a.anchor_keys.read(bh, next, dk, kr);
+      a.anchor_values.read(bh, next, dv, vr);
+    } else {
+      a.keys.read(bh, rows[i], dk, kr);
+      a.values.read(bh, rows[i], dv, vr);
+    }
     if (valid_b && !valid_b[rows[i]]) {
       bb[i] = -kInf;
       continue;
