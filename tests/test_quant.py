@@ -144,7 +144,7 @@ def test_a_decode_step_decodes_only_the_rows_it_gathers(method, monkeypatch, tmp
     assert max(decoded) <= (n // 2 if method == "clusterkv" else 2 * budget) < n
 
 
-FORMATS = ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "kivi4v2", "int2o4"]
+FORMATS = ["int8", "int4", "int2", "k4v2", "kivi4", "kivi2", "kivi4v2", "int2o4", "int4g16", "kivi4g64"]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -199,7 +199,7 @@ def test_exact_channels_and_kivis_open_block_stay_exact():
     assert torch.equal(kivi.view()[:, :, 96:], keys[:, :, 96:])  # 100 = 3 blocks of 32 + 4 rows not yet coded
 
 
-@pytest.mark.parametrize("bad", ["int3", "kivi2o4", "k4v", "int2o", "int16"])
+@pytest.mark.parametrize("bad", ["int3", "kivi2o4", "k4v", "int2o", "int16", "int4g7", "kivi4g0", "int4g"])
 def test_unknown_formats_are_refused(bad):
     with pytest.raises(ConfigError):
         QuantSpec.parse(bad)

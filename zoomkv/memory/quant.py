@@ -42,9 +42,10 @@ BITS = (8, 4, 2)
 LAYOUTS = ("token", "channel")
 ROLES = ("keys", "values", "rows")  # "rows": other floating rows of the host tier (coordinates, exact copies)
 _NAME = re.compile(r"(?:int(?P<both>[248])|k(?P<k>[248])v(?P<v>[248])|kivi(?P<kivi>[248])(?:v(?P<kv>[248]))?)"
-                   r"(?:o(?P<o>[0-9]{1,3}))?")
+                   r"(?:o(?P<o>[0-9]{1,3}))?(?:g(?P<g>[0-9]{1,4}))?")
 FORMATS_HELP = ("int8, int4, int2, kKvV (k4v2: keys 4 bits, values 2), kivi4, kivi2, kivi4v2 (KIVI's keys at 4 bits, "
-                "values 2); oN: N exact key channels (int2o4)")
+                "values 2); oN: N exact key channels (int2o4); gN: a scale per N channels of a row, or per N rows "
+                "of a channel for KIVI's keys (32 unless named: kivi4g64)")
 
 
 def is_format(text: str) -> bool:
@@ -107,13 +108,14 @@ class QuantSpec:
         if m["kivi"] and m["o"]:
             raise ConfigError(f"{text!r}: KIVI's per-channel keys already give each channel its own scale; exact "
                               "channels (oN) go with the per-token formats (int2o4)")
+        group_size = int(m["g"]) if m["g"] else group_size
         return cls(bits=bits, group_size=group_size, tiers=tiers, key_bits=key_bits,
                    key_layout="channel" if m["kivi"] else "token", outliers=int(m["o"] or 0))
 
     @property
     def name(self) -> str:
-        """The format as the run grammar writes it (``int8``, ``k4v2``, ``kivi2``, ``int2o4``; a pattern's
-        ``fitted`` name)."""
+        """The format as the run grammar writes it (``int8``, ``k4v2``, ``kivi2``, ``int2o4``, ``kivi4g64``; a
+        pattern's ``fitted`` name)."""
         if self.layers:
             return self.fitted or "fitted"
         kb = self.bits if self.key_bits is None else self.key_bits
@@ -121,7 +123,8 @@ class QuantSpec:
             base = f"kivi{self.bits}" if kb == self.bits else f"kivi{kb}v{self.bits}"
         else:
             base = f"int{self.bits}" if kb == self.bits else f"k{kb}v{self.bits}"
-        return base + (f"o{self.outliers}" if self.outliers else "")
+        return (base + (f"o{self.outliers}" if self.outliers else "")
+                + (f"g{self.group_size}" if self.group_size != 32 else ""))
 
     def for_rows(self, role: str = "rows", layer: int | None = None) -> RowQuant:
         """The coding of one buffer: ``role`` keys, values or other rows, of model layer ``layer``."""
