@@ -181,6 +181,12 @@ def split_budget(total: int, shares: Sequence[float], low: int) -> list[int]:
     return out
 
 
+def rows_at(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[b, h, t, d]`` at ``positions`` ``[b, A]`` (the same for every head) → ``[b, h, A, d]``."""
+    at = positions[:, None, :, None].expand(-1, rows.shape[1], -1, rows.shape[-1])
+    return rows.gather(2, at)
+
+
 def pick_anchors(surprisal: torch.Tensor, valid: torch.Tensor, tau: float, most: int, skip: int,
                  stop: int) -> torch.Tensor:
     """``[b, A]`` long positions of each row's anchors in ``[first real + skip, stop)``: surprisal above
@@ -360,19 +366,13 @@ class SeKV(RecallableMethod):
         if c.host_exact_sinks and c.sinks:
             sinks = (valid.float().argmax(1, keepdim=True) + torch.arange(c.sinks, device=valid.device)).clamp_max(t - 1)
             dev["exact_sink_pos"] = sinks
-            at = sinks[:, None, :, None]
-            dev["exact_sink_keys"] = ctx.keys.gather(2, at.expand(-1, ctx.keys.shape[1], -1, ctx.keys.shape[-1]))
-            dev["exact_sink_values"] = ctx.values.gather(
-                2, at.expand(-1, ctx.values.shape[1], -1, ctx.values.shape[-1]))
+            dev["exact_sink_keys"], dev["exact_sink_values"] = rows_at(ctx.keys, sinks), rows_at(ctx.values, sinks)
             fit = valid.clone()
             fit.scatter_(1, sinks, False)
         if c.host_exact_anchors and anchors is not None and anchors.shape[1]:
             safe = anchors.clamp_min(0)
-            at = safe[:, None, :, None]
-            host["exact_anchor_keys"] = memory.host_rows(
-                ctx.keys.gather(2, at.expand(-1, ctx.keys.shape[1], -1, ctx.keys.shape[-1])))
-            host["exact_anchor_values"] = memory.host_rows(
-                ctx.values.gather(2, at.expand(-1, ctx.values.shape[1], -1, ctx.values.shape[-1])))
+            host["exact_anchor_keys"] = memory.host_rows(rows_at(ctx.keys, safe))
+            host["exact_anchor_values"] = memory.host_rows(rows_at(ctx.values, safe))
             memory.meta["exact_anchors"] = True  # their positions: dev["anchor_pos"], which compress stores
             hit = torch.zeros(valid.shape, dtype=torch.uint8, device=valid.device)
             hit.scatter_reduce_(1, safe, (anchors >= 0).to(torch.uint8), reduce="amax")
@@ -407,10 +407,9 @@ class SeKV(RecallableMethod):
         bits, spec = self.config.host_anchor_bits, memory.cache.kv_quant
         if not bits or spec is None or anchors is None or not anchors.shape[1]:
             return
-        at = anchors.clamp_min(0)[:, None, :, None]  # -1 (no anchor) copies row 0, which no recall matches
+        safe = anchors.clamp_min(0)  # -1 (no anchor) copies row 0, which no recall matches
         for name in ("keys", "values"):
-            rows = getattr(ctx, name)
-            picked = memory.to_host(rows.gather(2, at.expand(-1, rows.shape[1], -1, rows.shape[-1])))
+            picked = memory.to_host(rows_at(getattr(ctx, name), safe))
             memory.host_tier[f"exact_anchor_{name}"] = (
                 RowBuffer(picked.half(), pinned=memory.pin_host) if bits == 16
                 else row_buffer(picked, QuantSpec(bits=8, group_size=spec.group_size).for_rows(name),
