@@ -255,6 +255,78 @@ def test_compiled_append_leaves_what_it_cannot_code_to_torch():
         assert torch.equal(a[:, :, :5], b[:, :, :5])
 
 
+def _prefill_rows(width: int, n: int) -> torch.Tensor:
+    """Rows of every scale across heads and tokens, signed zeros and an outlier: what the compiled quantizer
+    must code as torch does."""
+    g = torch.Generator().manual_seed(n + width)
+    rows = torch.randn(2, 3, n, width, generator=g) * 10.0 ** torch.randint(-3, 4, (2, 3, n, 1), generator=g)
+    # groups (per token and per channel) whose least value is a zero of either sign: which zero is the minimum
+    # depends on the order of the comparisons (torch's differs by shape), the decoded rows do not (0·s + -0 = +0)
+    rows[1, 1, :, :32] = rows[1, 1, :, :32].abs()
+    rows[1, 1, 0::4, 0], rows[1, 1, 0::4, 1], rows[1, 1, 1::4, 0], rows[1, 1, 1::4, 1] = 0.0, -0.0, -0.0, 0.0
+    rows[1, 2, min(7, n - 1), 3] = 300.0
+    return rows
+
+
+def _held(buf) -> list[torch.Tensor]:
+    """The rows a quantized buffer holds, part by part (codes, scales, minimums, KIVI's open block), without the
+    room grown for appends."""
+    return [buf.codes.view(), buf.scale.view(), buf.lo.view(), *([buf.residual] if hasattr(buf, "residual") else [])]
+
+
+@pytest.mark.skipif(ROW_QUANTIZER.library() is None, reason="no C++ compiler: prefills take the torch path")
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "k8v4", "kivi4", "kivi2", "kivi4g64", "int4g16"])
+@pytest.mark.parametrize(("width", "n"), [(64, 100), (64, 128), (16, 37), (64, 5)])
+def test_compiled_prefill_codes_rows_bit_for_bit_as_torch(name, width, n, monkeypatch):
+    # The prefill's rows (a buffer's construction) coded by the kernel: the same codes, scales, minimums and
+    # bytes held as the torch path's, per token and in KIVI's blocks; then appends on both stay equal.
+    from zoomkv.memory import quant
+
+    torch_coded = []
+    for coder in ("quantize", "quantize_channels"):  # counts the torch path's calls: the kernel's buffer makes none
+        real = getattr(quant, coder)
+        monkeypatch.setattr(quant, coder, lambda *a, _real=real, **k: torch_coded.append(1) or _real(*a, **k))
+    rows = _prefill_rows(width, n)
+    more = [torch.randn(2, 3, k, width) for k in (1, 1, 30, 3, 64)]
+    for role in ("keys", "values"):
+        spec = QuantSpec.parse(name).for_rows(role)
+        torch_coded.clear()
+        fast = quant.row_buffer(rows, spec)
+        assert not torch_coded
+        with zoomkv_native.torch_path():
+            ref = quant.row_buffer(rows, spec)
+        for step in range(len(more) + 1):
+            assert fast.length == ref.length and fast.nbytes == ref.nbytes and fast.capacity == ref.capacity
+            for a, b in zip(_held(fast), _held(ref), strict=True):
+                assert torch.equal(a, b)
+            assert torch.equal(fast.view().view(torch.int32), ref.view().view(torch.int32))  # bit for bit
+            if step < len(more):
+                coded = len(torch_coded)
+                fast.append(more[step])
+                assert len(torch_coded) == coded
+                with zoomkv_native.torch_path():
+                    ref.append(more[step])
+
+
+def test_compiled_prefill_leaves_what_it_cannot_code_to_torch():
+    from zoomkv.memory.quant import row_buffer
+
+    # a NaN, and rows of one value (the scale, clamped to 1e-8, rounds to 0 in fp16): torch's codes, whatever
+    # they are, from torch
+    nan, constant = _prefill_rows(64, 64), _prefill_rows(64, 64)
+    nan[1, 0, 40, 9] = float("nan")
+    constant[0, 1, :, :] = 0.5
+    for rows in (nan, constant):
+        for name in ("int4", "kivi4"):
+            spec = QuantSpec.parse(name).for_rows("keys")
+            fast = row_buffer(rows, spec)
+            with zoomkv_native.torch_path():
+                ref = row_buffer(rows, spec)
+            for a, b in zip(_held(fast), _held(ref), strict=True):
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.float16 else b)  # NaN's bits too
+
+
 def test_without_a_compiler_appends_take_the_torch_path_and_say_so(monkeypatch):
     monkeypatch.setattr(ROW_QUANTIZER, "_lib", None)
     monkeypatch.setattr(ROW_QUANTIZER, "_failed", None)
@@ -264,9 +336,10 @@ def test_without_a_compiler_appends_take_the_torch_path_and_say_so(monkeypatch):
 
     monkeypatch.setattr(ROW_QUANTIZER, "_build", no_compiler)
     rows, new = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 1, 64)
-    buf, ref = QuantizedRowBuffer(rows, QuantSpec.parse("int8")), QuantizedRowBuffer(rows, QuantSpec.parse("int8"))
     with pytest.warns(RuntimeWarning, match="row quantizer could not be built.*torch path"):
-        buf.append(new)
+        buf = QuantizedRowBuffer(rows, QuantSpec.parse("int8"))
+    ref = QuantizedRowBuffer(rows, QuantSpec.parse("int8"))
+    buf.append(new)
     with zoomkv_native.torch_path():
         ref.append(new)
     assert torch.equal(buf.view(), ref.view())

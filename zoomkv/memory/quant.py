@@ -33,9 +33,12 @@ from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-# new rows quantized per token, bit for bit as quantize(): QuantizedRowBuffer's append on CPU float32 rows
+# CPU float32 rows coded bit for bit as quantize() (per token) and quantize_channels() (KIVI's key blocks): a
+# buffer's prefill rows and its appends
 ROW_QUANTIZER = Kernel(Path(__file__).with_name("quant.cpp"), "the compiled row quantizer", {
     "zk_quant_rows": ([_I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _P, _I64, _P, _I64, _I64], ctypes.c_int),
+    "zk_quant_channels": ([_I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64],
+                          ctypes.c_int),
 }, fast_math=False)
 
 BITS = (8, 4, 2)
@@ -234,12 +237,25 @@ class QuantizedRowBuffer(RowBuffer):
             o = min(self.spec.outliers, self.width)
             self.outlier_idx = data.abs().amax(2, keepdim=True).topk(o, -1).indices.sort(-1).values  # [b, h, 1, o]
             self.exact = RowBuffer(self._outlier_values(data), pinned=pinned)
-        codes, scale, lo = quantize(self._prepared(data), self.bits, self.group)
-        self.codes = RowBuffer(codes, pinned=pinned)
-        self.scale = RowBuffer(scale, pinned=pinned)
-        self.lo = RowBuffer(lo, pinned=pinned)
+        if self.exact is not None or self.pad or not self._init_native(data, pinned):
+            codes, scale, lo = quantize(self._prepared(data), self.bits, self.group)
+            self.codes = RowBuffer(codes, pinned=pinned)
+            self.scale = RowBuffer(scale, pinned=pinned)
+            self.lo = RowBuffer(lo, pinned=pinned)
         self.pinned = self.codes.pinned
         self.length = data.shape[2]
+
+    def _init_native(self, data: torch.Tensor, pinned: bool) -> bool:
+        """The prefill's rows coded by the compiled quantizer into buffers of exactly their size (what the torch
+        path would hold): at a long prompt the torch path's passes over every row cost a share of the prefill."""
+        b, h, n, d = data.shape
+        if data.dtype != torch.float32 or not ROW_QUANTIZER.usable(data):
+            return False
+        made = {"device": data.device, "pinned": pinned}
+        self.codes = RowBuffer.empty_like(b, h, n, d * self.bits // 8, dtype=torch.uint8, **made)
+        self.scale, self.lo = (RowBuffer.empty_like(b, h, n, d // min(self.group, d), dtype=torch.float16, **made)
+                               for _ in range(2))
+        return self._append_native(data)
 
     def _outlier_values(self, rows: torch.Tensor) -> torch.Tensor:
         at = self.outlier_idx.expand(-1, -1, rows.shape[2], -1)
@@ -350,13 +366,47 @@ class ChannelQuantizedRowBuffer(RowBuffer):
             raise ConfigError(f"{self.bits}-bit packing does not divide rows {self.width} wide")
         b, h, n, d = data.shape
         full = n - n % self.block
-        codes, scale, lo = self._blocks(data[:, :, :full])
-        self.codes = RowBuffer(codes, pinned=pinned)
-        self.scale = RowBuffer(scale, pinned=pinned)  # [b, h, blocks, d]
-        self.lo = RowBuffer(lo, pinned=pinned)
+        # buffers of exactly the prefill's blocks (what it holds), filled as the decode's blocks are appended
+        made = {"device": data.device, "pinned": pinned}
+        self.codes = RowBuffer.empty_like(b, h, full, d * self.bits // 8, dtype=torch.uint8, **made)
+        self.scale, self.lo = (RowBuffer.empty_like(b, h, full // self.block, d, dtype=torch.float16, **made)
+                               for _ in range(2))  # [b, h, blocks, d]
         self.scale.GROW_ROWS = self.lo.GROW_ROWS = max(1, RowBuffer.GROW_ROWS // self.block)  # blocks, not rows
         self.pinned = self.codes.pinned
+        self._append_blocks(data[:, :, :full])
         self.residual = data[:, :, full:].contiguous()  # < block rows: a plain tensor, no room to grow into
+
+    def _append_blocks(self, rows: torch.Tensor) -> None:
+        """Whole blocks of rows coded after the buffers' rows: by the compiled quantizer on CPU float32 rows,
+        else by torch."""
+        if not rows.shape[2] or self._append_blocks_native(rows):
+            return
+        codes, scale, lo = self._blocks(rows)
+        self.codes.append(codes)
+        self.scale.append(scale)
+        self.lo.append(lo)
+
+    def _append_blocks_native(self, rows: torch.Tensor) -> bool:
+        codes, scale, lo = self.codes, self.scale, self.lo
+        if rows.dtype != torch.float32 or not ROW_QUANTIZER.usable(rows, codes.data):
+            return False
+        n, blocks = rows.shape[2], rows.shape[2] // self.block
+        codes.reserve(n)
+        scale.reserve(blocks)
+        lo.reserve(blocks)
+        if not (codes.data.is_contiguous() and scale.data.is_contiguous() and lo.data.is_contiguous()):
+            return False
+        x = rows.contiguous()  # held in a name for the call
+        rc = ROW_QUANTIZER.library().zk_quant_channels(
+            x.shape[0] * x.shape[1], blocks, self.block, self.width, self.bits, x.data_ptr(), codes.data.data_ptr(),
+            codes.capacity, codes.length, scale.data.data_ptr(), scale.capacity, lo.data.data_ptr(), lo.capacity,
+            scale.length)
+        if rc:
+            return False
+        codes.length += n
+        scale.length += blocks
+        lo.length += blocks
+        return True
 
     def _blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, h, n, d = rows.shape
@@ -390,11 +440,7 @@ class ChannelQuantizedRowBuffer(RowBuffer):
     def append(self, rows: torch.Tensor) -> None:
         pending = torch.cat([self.residual, rows.to(self.residual.device, self.residual.dtype)], 2)
         full = pending.shape[2] - pending.shape[2] % self.block
-        if full:
-            codes, scale, lo = self._blocks(pending[:, :, :full])
-            self.codes.append(codes)
-            self.scale.append(scale)
-            self.lo.append(lo)
+        self._append_blocks(pending[:, :, :full])
         self.residual = pending[:, :, full:].contiguous()
 
     def view(self) -> torch.Tensor:
