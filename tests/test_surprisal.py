@@ -26,7 +26,12 @@ class SurprisalProbe(Full):
     def compress(self, memory, ctx):
         assert ctx.surprisal is not None
         self.seen[memory.layer_idx] = ctx.surprisal
+        self.query_rows = ctx.queries.shape[2]
         super().compress(memory, ctx)
+
+
+class QuerylessProbe(SurprisalProbe):
+    reads_queries = False  # as sekv: its layers wait for the surprisal without their queries
 
 
 def _reference(model, ids, mask):
@@ -67,6 +72,22 @@ def test_surprisal_reaches_compress(family):
     replay_probe = SurprisalProbe()
     cache_from_record(model, record, replay_probe)
     torch.testing.assert_close(replay_probe.seen[zoom[0]], got, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_waiting_for_surprisal_hold_their_queries_only_for_methods_that_read_them():
+    model, _ = load_model("tiny-llama")
+    ids = torch.randint(3, 250, (2, 30), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for probe in (SurprisalProbe(), QuerylessProbe()):
+        cache = ZoomCache(model, probe)
+        out[probe.reads_queries] = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                                  **generate_cache_kwargs(cache))
+        assert probe.query_rows == (30 if probe.reads_queries else 0)
+    assert torch.equal(out[True], out[False])
+    # a prefill recorded for replay keeps them: other methods replaying it may read them
+    replayed = QuerylessProbe()
+    cache_from_record(model, record_prefill(model, ids, torch.ones_like(ids)), replayed)
+    assert replayed.query_rows == 30
 
 
 def test_the_teachers_surprisal_stays_float32_exact():

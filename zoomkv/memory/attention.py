@@ -139,6 +139,8 @@ def zoomkv_attention_forward(
         if method.needs_surprisal:
             # Surprisal needs the model's logits, which exist only after the last layer: the model's
             # final-norm hook (see cache.attach) compresses every pending layer then.
+            if not method.reads_queries and recorder is None:  # not held until then (an empty tensor, no view)
+                ctx.queries = query.new_empty(*query.shape[:2], 0, query.shape[3])
             cache.pending[layer_idx] = ctx
             return out, None
         compress_layer(cache, memory, ctx)

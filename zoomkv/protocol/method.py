@@ -155,6 +155,9 @@ class KVMethod:
     uses_budget: ClassVar[bool] = True
     quantizable_device: ClassVar[bool] = False  # stores device rows through memory.device_rows_buffer
     needs_surprisal: ClassVar[bool] = False  # compress gets ctx.surprisal (computed after the last layer)
+    # compress reads ctx.queries (an observation window, query statistics). False: a layer that waits for the
+    # surprisal is held without them (at 4K tokens, batch 4, SmolLM2's queries of every layer are 1.1 GB).
+    reads_queries: ClassVar[bool] = True
     # select may read cache.attention_inputs (every attention module's input this step; see
     # zoomkv.memory.speculation): a property where a config option decides
     needs_attention_inputs: bool = False

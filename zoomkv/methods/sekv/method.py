@@ -216,6 +216,7 @@ class SeKV(RecallableMethod):
     summary = ("every key as a 1-bit code on device (4-bit for surprising tokens); a trained router recalls "
                "the best rows, one summary row stands for the rest")
     needs_surprisal = True
+    reads_queries = False
 
     config: SeKVConfig
 
