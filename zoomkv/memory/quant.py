@@ -33,8 +33,8 @@ from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-# CPU float32 rows coded bit for bit as quantize() (per token) and quantize_channels() (KIVI's key blocks): a
-# buffer's prefill rows and its appends
+# CPU float32 rows coded as quantize() (per token) and quantize_channels() (KIVI's key blocks) code them (the same
+# codes, scales and minimums; quant.cpp's header has the one freedom): a buffer's prefill rows and its appends
 ROW_QUANTIZER = Kernel(Path(__file__).with_name("quant.cpp"), "the compiled row quantizer", {
     "zk_quant_rows": ([_I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _P, _I64, _P, _I64, _I64], ctypes.c_int),
     "zk_quant_channels": ([_I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64],
@@ -247,7 +247,7 @@ class QuantizedRowBuffer(RowBuffer):
 
     def _init_native(self, data: torch.Tensor, pinned: bool) -> bool:
         """The prefill's rows coded by the compiled quantizer into buffers of exactly their size (what the torch
-        path would hold): at a long prompt the torch path's passes over every row cost a share of the prefill."""
+        path would hold): one vectorised pass where torch makes a dozen, each a full-size temporary."""
         b, h, n, d = data.shape
         if data.dtype != torch.float32 or not ROW_QUANTIZER.usable(data):
             return False
