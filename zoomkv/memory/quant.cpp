@@ -124,6 +124,19 @@ int channel_head(int64_t blocks, int64_t block, int64_t d, int bits, const float
   return 0;
 }
 
+// head(h) for every head, in parallel on torch's OpenMP threads when `values` (the floats coded) pay for the
+// fork; the largest status any head returned (0: all coded). A head after a failed one is skipped.
+template <class Head>
+int over_heads(int64_t heads, int64_t values, Head head) {
+  int status = 0;
+#pragma omp parallel for reduction(max : status) if (values >= kParallelValues)
+  for (int64_t h = 0; h < heads; ++h) {
+    if (status > 0) continue;  // a private copy starts at max's identity, INT_MIN, not 0
+    status = std::max(status, head(h));
+  }
+  return status;
+}
+
 }  // namespace
 
 extern "C" {
@@ -139,15 +152,10 @@ int zk_quant_rows(int64_t heads, int64_t rows, int64_t d, int64_t group, int bit
   const int per = 8 / bits;
   if (group % per) return 2;
   const int64_t nbytes = d / per, groups = d / group;
-  int status = 0;
-#pragma omp parallel for reduction(max : status) if (heads * rows * d >= kParallelValues)
-  for (int64_t h = 0; h < heads; ++h) {
-    if (status > 0) continue;  // a private copy starts at max's identity, INT_MIN, not 0
-    status = std::max(status, token_head(rows, d, group, bits, x + h * rows * d,
-                                         codes + (h * codes_cap + start) * nbytes,
-                                         scale + (h * scale_cap + start) * groups, lo + (h * lo_cap + start) * groups));
-  }
-  return status;
+  return over_heads(heads, heads * rows * d, [&](int64_t h) {
+    return token_head(rows, d, group, bits, x + h * rows * d, codes + (h * codes_cap + start) * nbytes,
+                      scale + (h * scale_cap + start) * groups, lo + (h * lo_cap + start) * groups);
+  });
 }
 
 // x [heads, blocks * block, d] float32; codes [heads, codes_cap, d * bits / 8] written at rows
@@ -160,16 +168,10 @@ int zk_quant_channels(int64_t heads, int64_t blocks, int64_t block, int64_t d, i
   const int per = 8 / bits;
   if (d % per) return 2;
   const int64_t nbytes = d / per, n = blocks * block;
-  int status = 0;
-#pragma omp parallel for reduction(max : status) if (heads * n * d >= kParallelValues)
-  for (int64_t h = 0; h < heads; ++h) {
-    if (status > 0) continue;  // a private copy starts at max's identity, INT_MIN, not 0
-    status = std::max(status, channel_head(blocks, block, d, bits, x + h * n * d,
-                                           codes + (h * codes_cap + start_row) * nbytes,
-                                           scale + (h * scale_cap + start_block) * d,
-                                           lo + (h * lo_cap + start_block) * d));
-  }
-  return status;
+  return over_heads(heads, heads * n * d, [&](int64_t h) {
+    return channel_head(blocks, block, d, bits, x + h * n * d, codes + (h * codes_cap + start_row) * nbytes,
+                        scale + (h * scale_cap + start_block) * d, lo + (h * lo_cap + start_block) * d);
+  });
 }
 
 }  // extern "C"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,28 @@ def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return pack(codes, bits), scale, lo
 
 
+def _code_native(rows: torch.Tensor, codes: RowBuffer, scale: RowBuffer, lo: RowBuffer, scale_rows: int,
+                 call: Callable[[ctypes.CDLL, torch.Tensor, int], int]) -> bool:
+    """CPU float32 ``rows`` coded by the compiled quantizer straight into the buffers, after their rows:
+    ``call(library, rows, heads)`` runs the kernel, which writes the rows' codes and ``scale_rows`` rows of scales
+    and minimums. False, nothing counted, where it does not apply or the kernel declines; torch then codes them."""
+    if rows.dtype != torch.float32 or not ROW_QUANTIZER.usable(rows, codes.data):
+        return False
+    n = rows.shape[2]
+    codes.reserve(n)
+    scale.reserve(scale_rows)
+    lo.reserve(scale_rows)
+    if not (codes.data.is_contiguous() and scale.data.is_contiguous() and lo.data.is_contiguous()):
+        return False  # the kernel writes [b·h, capacity, ·] storage
+    x = rows.contiguous()  # held in a name for the call
+    if call(ROW_QUANTIZER.library(), x, x.shape[0] * x.shape[1]):
+        return False
+    codes.length += n
+    scale.length += scale_rows
+    lo.length += scale_rows
+    return True
+
+
 def row_buffer(data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False) -> RowBuffer:
     """A quantized buffer for rows ``data`` ``[b, h, n, d]``: per channel (``ChannelQuantizedRowBuffer``) or
     per token (``QuantizedRowBuffer``), as ``spec`` says."""
@@ -310,25 +333,10 @@ class QuantizedRowBuffer(RowBuffer):
         """``quantize``'s codes of CPU float32 rows in one compiled pass, written straight into the buffers (a
         decode step appends one row a layer, where the torch path's dozen ops cost more than the coding).
         False, nothing appended, where it does not apply; the torch path then codes the rows."""
-        codes, scale, lo = self.codes, self.scale, self.lo
-        if rows.dtype != torch.float32 or not ROW_QUANTIZER.usable(rows, codes.data):
-            return False
-        lib = ROW_QUANTIZER.library()
-        n, d = rows.shape[2], rows.shape[3]
-        for p in (codes, scale, lo):
-            p.reserve(n)
-        if not (codes.data.is_contiguous() and scale.data.is_contiguous() and lo.data.is_contiguous()):
-            return False  # the kernel writes [b·h, capacity, ·] storage
-        x = rows.contiguous()  # held in a name for the call
-        rc = lib.zk_quant_rows(x.shape[0] * x.shape[1], n, d, min(self.group, d), self.bits, x.data_ptr(),
-                               codes.data.data_ptr(), codes.capacity, scale.data.data_ptr(), scale.capacity,
-                               lo.data.data_ptr(), lo.capacity, codes.length)
-        if rc:
-            return False
-        codes.length += n
-        scale.length += n
-        lo.length += n
-        return True
+        codes, scale, lo, d = self.codes, self.scale, self.lo, rows.shape[3]
+        return _code_native(rows, codes, scale, lo, rows.shape[2], lambda lib, x, heads: lib.zk_quant_rows(
+            heads, x.shape[2], d, min(self.group, d), self.bits, x.data_ptr(), codes.data.data_ptr(), codes.capacity,
+            scale.data.data_ptr(), scale.capacity, lo.data.data_ptr(), lo.capacity, codes.length))
 
     def view(self) -> torch.Tensor:
         return self._decoded(self.codes.view(), self.scale.view(), self.lo.view(),
@@ -387,26 +395,10 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         self.lo.append(lo)
 
     def _append_blocks_native(self, rows: torch.Tensor) -> bool:
-        codes, scale, lo = self.codes, self.scale, self.lo
-        if rows.dtype != torch.float32 or not ROW_QUANTIZER.usable(rows, codes.data):
-            return False
-        n, blocks = rows.shape[2], rows.shape[2] // self.block
-        codes.reserve(n)
-        scale.reserve(blocks)
-        lo.reserve(blocks)
-        if not (codes.data.is_contiguous() and scale.data.is_contiguous() and lo.data.is_contiguous()):
-            return False
-        x = rows.contiguous()  # held in a name for the call
-        rc = ROW_QUANTIZER.library().zk_quant_channels(
-            x.shape[0] * x.shape[1], blocks, self.block, self.width, self.bits, x.data_ptr(), codes.data.data_ptr(),
-            codes.capacity, codes.length, scale.data.data_ptr(), scale.capacity, lo.data.data_ptr(), lo.capacity,
-            scale.length)
-        if rc:
-            return False
-        codes.length += n
-        scale.length += blocks
-        lo.length += blocks
-        return True
+        codes, scale, lo, blocks = self.codes, self.scale, self.lo, rows.shape[2] // self.block
+        return _code_native(rows, codes, scale, lo, blocks, lambda lib, x, heads: lib.zk_quant_channels(
+            heads, blocks, self.block, self.width, self.bits, x.data_ptr(), codes.data.data_ptr(), codes.capacity,
+            codes.length, scale.data.data_ptr(), scale.capacity, lo.data.data_ptr(), lo.capacity, scale.length))
 
     def _blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, h, n, d = rows.shape
