@@ -29,8 +29,8 @@ def test_a_batch_decodes_together_and_counts_every_sequence(capsys):
     rows = run_bench(_args("--methods", "full,quest", "--budgets", "48", "--batch-size", "3", "--sync-audit",
                            "--json"))
     report = json.loads(capsys.readouterr().out)
-    assert report["batch_size"] == 3 and [r["method"] for r in rows] == ["full", "quest"]
-    for r in rows:
+    assert report["batch_size"] == 3 and [r["method"] for r in rows] == ["hf", "full", "quest"]
+    for r in rows[1:]:
         assert r["batch_size"] == 3
         assert r["decode_tokens_per_s"] == pytest.approx(3000 / r["decode_ms_per_token"], rel=0.01)
         assert r["syncs_per_step"] == 0  # both are sync-free on the CPU (tests/test_sync_audit.py)
@@ -51,10 +51,50 @@ def test_profile_splits_a_decode_step_into_its_phases(capsys):
     rows = run_bench(_args("--methods", "full,sekv,quest", "--budgets", "48", "--new-tokens", "4", "--profile"))
     out = capsys.readouterr().out
     assert "| method | budget | step ms | selection | recall | append | attention | rest |" in out
-    full, sekv, quest = (r["profile_ms"] for r in rows)
+    hf, full, sekv, quest = (r["profile_ms"] for r in rows)
+    assert hf is None  # plain transformers has no zoomkv phases
     for p in (full, sekv, quest):
         assert sum(p[name] for name in ("selection", "recall", "append", "attention", "rest")) == \
             pytest.approx(p["step"], abs=0.05)
     for p in (sekv, quest):  # the recallable methods score, recall and attend every compressed layer
         assert p["selection"] > 0 and p["recall"] > 0 and p["attention"] > 0 and p["append"] > 0
     assert full["recall"] == 0  # full recalls nothing: its rows are all on the device
+
+
+def test_the_hf_row_is_plain_transformers_and_every_ratio_reads_against_it(capsys, monkeypatch):
+    """The reference row runs transformers' own DynamicCache with sdpa: no ZoomCache is built for it, and the
+    model runs transformers' own attention; its bytes are the full KV it held."""
+    from zoomkv.memory import cache as cache_module
+
+    built = []
+    real_init = cache_module.ZoomCache.__init__
+    monkeypatch.setattr(cache_module.ZoomCache, "__init__", lambda self, *a, **k: (built.append(1), real_init(self, *a, **k))[1])
+    rows = run_bench(_args("--methods", "full", "--budgets", "48", "--json"))
+    report = json.loads(capsys.readouterr().out)
+    hf, full = rows
+    assert [r["method"] for r in report["rows"]] == ["hf", "full"]
+    assert len(built) == 1  # full's cache only
+    assert hf["decode_hf_ratio"] == 1.0 and hf["prefill_hf_ratio"] == 1.0
+    assert full["decode_hf_ratio"] == pytest.approx(full["decode_ms_per_token"] / hf["decode_ms_per_token"], rel=0.01)
+    assert hf["device_bytes"] == full["full_kv_bytes"] and hf["host_bytes"] == 0
+
+
+def test_no_hf_leaves_the_reference_row_out(capsys):
+    rows = run_bench(_args("--methods", "full", "--budgets", "48", "--no-hf"))
+    out = capsys.readouterr().out
+    assert [r["method"] for r in rows] == ["full"] and "× hf" not in out and rows[0]["decode_hf_ratio"] is None
+
+
+def test_the_hf_row_decodes_the_tokens_full_decodes():
+    """Same model, same prompts, greedy: plain transformers and zoomkv's full agree token for token."""
+    from zoomkv.generation import generate_plain, generate_text
+    from zoomkv.memory import CacheSpec
+    from zoomkv.models import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    prompts = ["the quick brown fox jumps over the lazy dog " * 6, "a b c d e f g " * 5]
+    plain = generate_plain(model, tokenizer, prompts, max_new_tokens=6, chat=False, stop_at_eos=False)
+    ours = generate_text(model, tokenizer, prompts, CacheSpec.build("full", None), max_new_tokens=6, chat=False,
+                         stop_at_eos=False)
+    assert plain.token_ids == ours.token_ids
+    assert model.config._attn_implementation == "zoomkv"  # put back after the plain run

@@ -161,7 +161,7 @@ def test_bench_times_an_adapter_and_its_variants_labelled_as_eval_labels_them(ca
     rows = run_bench(args, runs_from_args(args, default_budgets=bench_command.DEFAULT_BUDGETS))
     report = json.loads(capsys.readouterr().out)
     label = f"sekv:sekv-tiny@{adapter.config.weights_sha256[:8]}"
-    assert [r["method"] for r in report["rows"]] == ["full", "quest+int4", label, label + "+int8"]
+    assert [r["method"] for r in report["rows"]] == ["hf", "full", "quest+int4", label, label + "+int8"]
     by = {r["method"]: r for r in rows}
     assert by["quest+int4"]["budget"] == 256 and by[label]["budget"] == 64  # the adapter's own budget
     assert by[label + "+int8"]["device_bytes"] == by[label]["device_bytes"]

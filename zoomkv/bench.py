@@ -1,7 +1,9 @@
 """``zoomkv bench``: prefill and per-token decode time of methods vs ``full``, measured in one process.
 
-Runs are interleaved (full, m1, m2, full, m1, m2, ...) and repeated, so machine noise hits every method
-alike; the table reports medians and ratios to ``full`` from the same run, plus device/host bytes.
+Runs are interleaved (hf, full, m1, m2, hf, full, m1, m2, ...) and repeated, so machine noise hits every method
+alike; the table reports medians and ratios to ``full`` and to ``hf`` (the same model and prompts through plain
+transformers: its own ``DynamicCache`` and sdpa, no zoomkv; ``--no-hf`` leaves it out) from the same run, plus
+device/host bytes.
 ``--batch-size N`` decodes N prompts together (tokens per second counts all of them); ``--sync-audit`` also
 runs a few decode steps of each configuration under ``zoomkv.memory.sync_audit`` and reports the ops that
 would make the host wait for the device. What to time comes parsed (``zoomkv.runspec``: methods, adapters,
@@ -19,10 +21,12 @@ from typing import Any
 
 from zoomkv.data.passkey import passkey_prompt
 from zoomkv.errors import ZoomKVError
-from zoomkv.generation import GenerationResult, generate_text
+from zoomkv.generation import GenerationResult, generate_plain, generate_text
 from zoomkv.runspec import REFERENCE, RunSpec, with_prefill_chunk
 
 log = logging.getLogger(__name__)
+
+HF = "hf"  # the plain-transformers row: no zoomkv cache, no zoomkv attention
 
 
 def _mib(n: float) -> str:
@@ -56,12 +60,16 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     # One prompt per sequence of the batch: the same length, each with its own pass key.
     prompts = [passkey_prompt(tokenizer, args.length, depth=0.5, seed=i).text for i in range(batch)]
 
-    configs = [with_prefill_chunk(run, chunk) for chunk in [None, *chunks] for run in runs]
+    configs: list[RunSpec | None] = [with_prefill_chunk(run, chunk) for chunk in [None, *chunks] for run in runs]
     reference = next((i for i, c in enumerate(configs) if c.label == REFERENCE), None)
     if reference != 0:
         raise ZoomKVError("bench times every run against full: full must come first")
+    with_hf = not getattr(args, "no_hf", False)
+    if with_hf:
+        configs.insert(0, None)  # None: the hf row
+        reference = 1
 
-    def timed(run: RunSpec, new: int) -> tuple[GenerationResult, int | None]:
+    def timed(run: RunSpec | None, new: int) -> tuple[GenerationResult, int | None]:
         cuda = model.device.type == "cuda"
         if cuda:
             import torch
@@ -69,7 +77,10 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             torch.cuda.synchronize(model.device)
             base = torch.cuda.memory_allocated(model.device)
             torch.cuda.reset_peak_memory_stats(model.device)
-        r = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new, chat=False, stop_at_eos=False)
+        if run is None:
+            r = generate_plain(model, tokenizer, prompts, max_new_tokens=new, chat=False, stop_at_eos=False)
+        else:
+            r = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new, chat=False, stop_at_eos=False)
         return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
     # warm-up: one short run per configuration so lazy initialisation is not timed
@@ -89,21 +100,25 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     rows = []
     full_prefill = statistics.median(r.prefill_s for r, _ in samples[reference])
     full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[reference])
+    hf_prefill = statistics.median(r.prefill_s for r, _ in samples[0]) if with_hf else None
+    hf_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[0]) if with_hf else None
     for i, (run, results) in enumerate(zip(configs, samples, strict=True)):
         prefill = statistics.median(r.prefill_s for r, _ in results)
         decode = statistics.median(r.decode_ms_per_token for r, _ in results)
         last, cuda_peak = results[-1]
         mem = last.memory
         rows.append({
-            "method": run.label,
+            "method": _name(run, budget=False),
             "budget": mem.budget,
-            "prefill_chunk": run.cache.prefill_chunk,
+            "prefill_chunk": None if run is None else run.cache.prefill_chunk,
             "batch_size": batch,
             "prompt_tokens": last.prompt_tokens,
             "prefill_s": round(prefill, 4),
             "prefill_ratio": round(prefill / full_prefill, 3),
             "decode_ms_per_token": round(decode, 3),
             "decode_ratio": round(decode / full_decode, 3),
+            "prefill_hf_ratio": _ratio(prefill, hf_prefill),
+            "decode_hf_ratio": _ratio(decode, hf_decode),
             "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
             "syncs_per_step": syncs.get(i),  # with --sync-audit: host waits per decode step
             "device_bytes": mem.device_bytes,
@@ -126,17 +141,20 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         print()
         cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
         audit = bool(syncs)
-        print("| method | budget | prefill chunk | prefill s | × full | decode ms/token | × full | decode tok/s | "
-              "device MiB | peak device MiB | peak rows | host MiB | full KV MiB |"
+        hf = " × hf |" if with_hf else ""
+        print("| method | budget | prefill chunk | prefill s | × full |" + hf + " decode ms/token | × full |" + hf
+              + " decode tok/s | device MiB | peak device MiB | peak rows | host MiB | full KV MiB |"
               + (" CUDA peak MiB |" if cuda else "") + (" syncs/step |" if audit else ""))
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "") + ("---|" if audit else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_hf else "")
+              + ("---|" if cuda else "") + ("---|" if audit else ""))
         for r in rows:
             tps = r["decode_tokens_per_s"]
             sps = r["syncs_per_step"]
             print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
                   f"{r['prefill_chunk'] or 'one-shot'} | {r['prefill_s']:.3f} | "
-                  f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
-                  f"{tps if tps is not None else '-'} | "
+                  f"{r['prefill_ratio']:.2f} |" + (f" {r['prefill_hf_ratio']:.2f} |" if with_hf else "")
+                  + f" {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} |"
+                  + (f" {r['decode_hf_ratio']:.2f} |" if with_hf else "") + f" {tps if tps is not None else '-'} | "
                   f"{_mib(r['device_bytes'])} | {_mib(r['peak_device_bytes'])} | {r['peak_device_rows']} | "
                   f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
                   + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else "")
@@ -149,7 +167,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
 PHASES = ("selection", "recall", "append", "attention", "rest")
 
 
-def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec], new_tokens: int,
+def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None], new_tokens: int,
              t0: float) -> dict[int, dict[str, float]]:
     """Per configuration (by index in ``configs``): ms per decode step in each phase of the compressed layers
     (zoomkv.protocol.phases), from one more run of ``new_tokens`` under the phase clock; ``rest`` is the step's
@@ -161,6 +179,8 @@ def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSp
     cuda = model.device.type == "cuda"
     found = {}
     for i, run in enumerate(configs):
+        if run is None:  # hf: no zoomkv phases to split
+            continue
         clock = PhaseClock(sync=(lambda: torch.cuda.synchronize(model.device)) if cuda else None)
         with measuring(clock):
             result = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new_tokens, chat=False,
@@ -195,7 +215,8 @@ def _print_profile(rows: list[dict[str, Any]]) -> None:
 SYNC_AUDIT_STEPS = 4
 
 
-def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec], t0: float) -> dict[int, float]:
+def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None],
+                t0: float) -> dict[int, float]:
     """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
     make the host wait for the device, over ``SYNC_AUDIT_STEPS`` steps after a fresh prefill
     (zoomkv.memory.sync_audit)."""
@@ -208,7 +229,7 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
                             device=model.device)
     found = {}
     for i, run in enumerate(configs):
-        if run.cache.prefill_chunk is not None:
+        if run is None or run.cache.prefill_chunk is not None:
             continue
         cache = ZoomCache(model, run.cache, tokenizer=tokenizer)
         audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
@@ -217,10 +238,18 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
     return found
 
 
-def _name(run: RunSpec) -> str:
-    """A configuration in progress lines: ``quest+tail@128 chunk 512``."""
+def _name(run: RunSpec | None, budget: bool = True) -> str:
+    """A configuration in progress lines: ``quest+tail@128 chunk 512`` (``budget=False``: its row label)."""
+    if run is None:
+        return HF
+    if not budget:
+        return run.label
     chunk = run.cache.prefill_chunk
     return run.label + (f"@{run.budget}" if run.budget else "") + (f" chunk {chunk}" if chunk else "")
+
+
+def _ratio(value: float, reference: float | None) -> float | None:
+    return None if reference is None or reference <= 0 else round(value / reference, 3)
 
 
 def _check_batch_fits(model: Any, batch: int, tokens: int) -> None:

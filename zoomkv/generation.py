@@ -18,6 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from zoomkv import compat
 from zoomkv.errors import PromptError
 from zoomkv.memory import CacheSpec, MemoryReport, ZoomCache
+from zoomkv.memory.cache import LayerReport
 from zoomkv.memory.replay import cache_from_record, prefill_positions, record_prefill
 from zoomkv.models import context_limit
 
@@ -109,6 +110,25 @@ def generate_text(
         tokenizer, texts, max_length=max_len, max_new_tokens=max_new_tokens, device=model.device
     )
     cache = ZoomCache(model, spec, tokenizer=tokenizer)
+    new, prefill_s, decode_ms = _timed_generate(model, tokenizer, inputs, cache, max_new_tokens, stop_at_eos)
+    decoded = tokenizer.batch_decode(new, skip_special_tokens=True)
+    memory = cache.memory_report()
+    cache.release()  # freed now, not at some later cyclic GC (see ZoomCache.release): callers loop over prompts
+    return GenerationResult(
+        texts=decoded,
+        prompt_tokens=inputs["input_ids"].shape[1],
+        new_tokens=new.shape[1],
+        prefill_s=prefill_s,
+        decode_ms_per_token=decode_ms,
+        memory=memory,
+        token_ids=new.tolist(),
+    )
+
+
+def _timed_generate(model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], cache: Any, max_new_tokens: int,
+                    stop_at_eos: bool) -> tuple[torch.Tensor, float, float]:
+    """Greedy ``model.generate`` with ``cache``; returns the new tokens, the prefill's seconds and the decode's
+    milliseconds per step (a logits processor stamps every step)."""
     clock = _StepClock()
     start = time.perf_counter()
     gen_kwargs: dict[str, Any] = {
@@ -122,8 +142,7 @@ def generate_text(
         gen_kwargs["min_new_tokens"] = max_new_tokens
     out = model.generate(**inputs, **gen_kwargs, **compat.generate_cache_kwargs(cache))
     end = time.perf_counter()
-    prompt_len = inputs["input_ids"].shape[1]
-    new = out[:, prompt_len:]
+    new = out[:, inputs["input_ids"].shape[1]:]
     stamps = clock.times  # after the prefill, then after each decode step
     if stamps:
         prefill_s = stamps[0] - start
@@ -131,12 +150,43 @@ def generate_text(
         decode_ms = (stamps[-1] - stamps[0]) / steps * 1000 if steps else 0.0
     else:
         prefill_s, decode_ms = end - start, 0.0
-    decoded = tokenizer.batch_decode(new, skip_special_tokens=True)
-    memory = cache.memory_report()
-    cache.release()  # freed now, not at some later cyclic GC (see ZoomCache.release): callers loop over prompts
+    return new, prefill_s, decode_ms
+
+
+PLAIN_ATTENTION = "sdpa"  # what transformers runs when nobody asks for zoomkv
+
+
+@torch.inference_mode()
+def generate_plain(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 64,
+                   chat: bool | None = None, stop_at_eos: bool = True) -> GenerationResult:
+    """The same prompts through plain transformers: its own ``DynamicCache`` and sdpa attention, no zoomkv on
+    the path (the ``hf`` reference row of ``zoomkv bench``). Its memory report is one dense layer per KV
+    layer with what that cache held at the end: every row, on the device."""
+    from transformers import DynamicCache
+
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    texts = [format_prompt(tokenizer, p, chat) for p in prompts]
+    inputs = encode_prompts(tokenizer, texts, max_length=context_limit(model), max_new_tokens=max_new_tokens,
+                            device=model.device)
+    previous = getattr(model.config, "_attn_implementation", None) or PLAIN_ATTENTION
+    compat.set_attention(model, PLAIN_ATTENTION)
+    cache = DynamicCache(config=model.config)
+    try:
+        new, prefill_s, decode_ms = _timed_generate(model, tokenizer, inputs, cache, max_new_tokens, stop_at_eos)
+    finally:
+        compat.set_attention(model, previous)
+    reports = []
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        held = sum(t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
+        rows = layer.keys.shape[2] if isinstance(getattr(layer, "keys", None), torch.Tensor) else 0
+        reports.append(LayerReport(i, "dense", held, 0, held, rows, held, rows))
+    memory = MemoryReport(method="hf", budget=None, tokens=inputs["input_ids"].shape[1] + new.shape[1], layers=reports)
+    del cache
     return GenerationResult(
-        texts=decoded,
-        prompt_tokens=prompt_len,
+        texts=tokenizer.batch_decode(new, skip_special_tokens=True),
+        prompt_tokens=inputs["input_ids"].shape[1],
         new_tokens=new.shape[1],
         prefill_s=prefill_s,
         decode_ms_per_token=decode_ms,

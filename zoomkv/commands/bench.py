@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bench's point: here N adds runs, elsewhere it sets the one run)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="leave out the hf row (the same model and prompts through plain transformers: its own "
+                             "DynamicCache and sdpa attention, no zoomkv) that every ratio can also be read against")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="decode this many prompts together (each with its own pass key); tokens/s counts them all")
     parser.add_argument("--profile", action="store_true",
