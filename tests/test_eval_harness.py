@@ -43,7 +43,8 @@ def test_cli_end_to_end(tmp_path, capsys):
         assert 0 <= r["score"] <= 100 and r["batch_size"] == 2
         assert r["device_bytes"] > 0 and r["full_kv_bytes"] > 0 and r["decode_ms_per_token"] > 0
         if r["method"] == "full":
-            assert r["budget"] is None and r["device_bytes"] == r["full_kv_bytes"]
+            # every row, plus the room its buffers keep for the next rows (zoomkv.protocol.dense.ROOM)
+            assert r["budget"] is None and r["full_kv_bytes"] <= r["device_bytes"] < 3 * r["full_kv_bytes"]
         if r["method"] == "streamingllm":
             assert r["device_bytes"] < r["full_kv_bytes"]
         if r["method"] == "snapkv":

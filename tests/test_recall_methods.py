@@ -17,6 +17,7 @@ from zoomkv.methods import get_method
 from zoomkv.methods._kmeans import cosine_kmeans
 from zoomkv.methods.quest import page_bounds, page_upper_bound
 from zoomkv.models import load_model
+from zoomkv.protocol.dense import ROOM
 from zoomkv.protocol.method import PrefillContext, Selection
 
 
@@ -126,7 +127,7 @@ def test_quest_pages_update_on_append_and_stay_recallable():
     for i in range(30):
         method.append(memory, new[:, :, i : i + 1], id_values(b, h, 1, d, start=n + i))
         rows = memory.host_tier["keys"].view()
-        host_valid = memory.host_tier["valid"].view()[:, 0, :, 0]
+        host_valid = memory.device_tier["valid"].view()[:, 0, :, 0]  # the rows' padding mask: an index
         lo, hi, page_valid = page_bounds(rows, host_valid, 16)
         assert memory.device_tier["page_min"].length == math.ceil((n + i + 1) / 16)
         torch.testing.assert_close(memory.device_tier["page_min"].view(), lo)
@@ -351,8 +352,9 @@ def test_dense_layers_keep_everything_and_can_be_turned_off(name):
     prefill(method, memory, keys, values, 18, layer_idx=1)
     method.append(memory, torch.randn(1, 2, 1, 8), id_values(1, 2, 1, 8, start=40))
     sel = method.select(memory, torch.randn(1, 4, 1, 8))
-    assert sel.use_model_mask and row_ids(sel) == list(range(41))
-    assert method.device_rows(memory) == 41 and not memory.host_tier
+    assert sel.bias is None and row_ids(sel) == list(range(41))
+    # every row, in buffers with room for the next ones (zoomkv.protocol.dense: written in place)
+    assert method.device_rows(memory) == 40 + ROOM and not memory.host_tier
 
     strict = get_method(name, dense_layers=0)
     assert not strict.dense_layer(0, 4)

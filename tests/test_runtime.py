@@ -58,6 +58,8 @@ def test_small_budget_changes_output_and_is_never_exceeded(tiny):
         sel = inner(memory, query)
         # independently of the runtime's own check: what is on the device tier right now
         for name, t in memory.device_tier.items():
+            if name == "valid":  # the host rows' padding mask: an index (a byte a row), counted in bytes
+                continue
             rows = t.shape[2] if isinstance(t, torch.Tensor) else t.capacity
             assert rows <= budget, f"{name} holds {rows} rows"
         assert sel.keys.shape[2] <= budget

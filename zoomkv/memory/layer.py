@@ -16,6 +16,8 @@ from transformers.cache_utils import CacheLayerMixin
 from zoomkv.memory.quant import row_buffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
+HOST_ROOM = 256  # rows a GPU machine's pinned host buffers hold past the prompt
+
 
 class LayerMemory(CacheLayerMixin):
     is_sliding = False
@@ -119,18 +121,26 @@ class LayerMemory(CacheLayerMixin):
         spec = self.cache.kv_quant
         if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
             return row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host)
+        if self.pin_host and tensor.is_cuda:
+            # Room for the next rows, which a GPU step writes without waiting: growing copies on the host, after
+            # waiting for the copies in flight (once per HOST_ROOM rows or ~3%, not per step).
+            b, h, n, d = tensor.shape
+            buf = RowBuffer.empty_like(b, h, n + HOST_ROOM, d, dtype=tensor.dtype, device=torch.device("cpu"),
+                                       pinned=True)
+            buf.append(tensor)
+            return buf
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
 
     @property
     def quantize_device(self) -> bool:
         return self.cache.kv_quant is not None and self.cache.kv_quant.tiers == "all"
 
-    def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows") -> RowBuffer:
+    def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows", room: int = 0) -> RowBuffer:
         """Device-tier rows that grow while decoding, quantized (as ``role``, keys or values) when the cache
-        quantizes every tier."""
-        if self.quantize_device:
+        quantizes every tier; ``room``: rows allocated past them, written in place by the next appends."""
+        if self.quantize_device and tensor.is_floating_point() and role in ("keys", "values"):
             return row_buffer(tensor, self.cache.kv_quant.for_rows(role, self.layer_idx))
-        return RowBuffer(tensor)
+        return RowBuffer.with_room(tensor, room)
 
     def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A preallocated device-tier buffer for ``rows`` recalled rows per KV head."""

@@ -324,9 +324,9 @@ class QuantizedRowBuffer(RowBuffer):
         if self.exact is not None:
             self.exact.append(self._outlier_values(rows).to(self.exact.data.device))
         codes, scale, lo = quantize(self._prepared(rows), self.bits, self.group)
-        self.codes.append(codes.to(self.codes.data.device))
-        self.scale.append(scale.to(self.scale.data.device))
-        self.lo.append(lo.to(self.lo.data.device))
+        self.codes.append(codes)  # coded where the rows are; into pinned host memory without waiting on a GPU
+        self.scale.append(scale)
+        self.lo.append(lo)
         self.length += rows.shape[2]
 
     def _append_native(self, rows: torch.Tensor) -> bool:
@@ -342,7 +342,11 @@ class QuantizedRowBuffer(RowBuffer):
         return self._decoded(self.codes.view(), self.scale.view(), self.lo.view(),
                              None if self.exact is None else self.exact.view())
 
-    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
+    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        found = self._gather(idx)
+        return found if out is None else out.copy_(found, non_blocking=True)
+
+    def _gather(self, idx: torch.Tensor | None) -> torch.Tensor:
         """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held)."""
         if idx is None:
             return self.view()
@@ -448,7 +452,11 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         lo = self.lo.view().gather(2, at).float()
         return (unpack(codes, self.bits).float() * scale + lo).to(self.dtype)
 
-    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
+    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        found = self._gather(idx)
+        return found if out is None else out.copy_(found, non_blocking=True)
+
+    def _gather(self, idx: torch.Tensor | None) -> torch.Tensor:
         if idx is None:
             return self.view()
         idx = idx.to(self.codes.data.device).expand(self.codes.data.shape[0], self.codes.data.shape[1], -1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from zoomkv.kernels.gather import gather_rows
+
 
 class RowBuffer:
     """A ``[batch, heads, capacity, dim]`` tensor filled along the row axis.
@@ -23,6 +25,17 @@ class RowBuffer:
         self.pinned = pinned and data.device.type == "cpu"
         self.data = data.pin_memory() if self.pinned and not data.is_pinned() else data
         self.length = data.shape[2]
+        self.in_flight = False  # pinned rows written by an asynchronous copy from the GPU not yet waited for
+
+    @classmethod
+    def with_room(cls, data: torch.Tensor, room: int, *, pinned: bool = False) -> RowBuffer:
+        """A buffer holding ``data`` with ``room`` more rows allocated after it (none: ``data`` itself)."""
+        if room <= 0:
+            return cls(data, pinned=pinned)
+        b, h, n, d = data.shape
+        buf = cls.empty_like(b, h, n + room, d, dtype=data.dtype, device=data.device, pinned=pinned)
+        buf.append(data)
+        return buf
 
     @classmethod
     def empty_like(cls, batch: int, heads: int, rows: int, dim: int, *, dtype: torch.dtype,
@@ -43,23 +56,37 @@ class RowBuffer:
     def view(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
-    def gather(self, idx: torch.Tensor | None) -> torch.Tensor:
-        """Rows ``idx`` (``[b, h, k]`` row ids; None: every row) as a ``[b, h, k, dim]`` tensor where the
-        buffer lives."""
+    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``idx`` (``[b, h, k]`` row ids; None: every row) as a ``[b, h, k, dim]`` tensor: where the
+        buffer lives, or, for pinned rows and indices on the GPU, on the GPU, read there by one kernel with no
+        host synchronisation (``zoomkv.kernels.gather``); into ``out`` when given."""
         rows = self.view()
         if idx is None:
-            return rows
+            return rows if out is None else out.copy_(rows, non_blocking=True)
+        if self.pinned and idx.is_cuda:
+            return gather_rows(rows, idx, out)
+        self.wait()  # a host read of rows an asynchronous copy may still be writing
         at = idx.to(rows.device)[..., None].expand(-1, -1, -1, rows.shape[-1])
-        return rows.gather(2, at)
+        found = rows.gather(2, at)
+        return found if out is None else out.copy_(found, non_blocking=True)
 
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[2]
         self.reserve(n)
-        # Device→host copies stay blocking: the host tier is read on the CPU right after (scores,
-        # gathers), and an asynchronous copy into it could be read before it lands.
-        async_ok = self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned()
+        # Into pinned host memory from the GPU: asynchronous, in stream order. Every later read on the GPU
+        # (gather_rows) comes after it on the same stream; a read on the host calls wait() first.
+        to_host = self.pinned and rows.is_cuda
+        async_ok = to_host or (self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned())
         self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=async_ok)
+        self.in_flight |= to_host
         self.length += n
+
+    def wait(self) -> None:
+        """Before the host reads rows: wait for the asynchronous copies that write them (rare: the GPU path
+        reads them on the GPU)."""
+        if self.in_flight:
+            torch.cuda.synchronize()
+            self.in_flight = False
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more rows after ``length`` (a writer that fills them in place then adds ``n`` to
@@ -69,6 +96,7 @@ class RowBuffer:
             shape = list(self.data.shape)
             shape[2] = self.capacity + grow
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device, pin_memory=self.pinned)
+            self.wait()  # the host copies the old rows: once per ~3% growth, not per step
             bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
             self.data = bigger
 

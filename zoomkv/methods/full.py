@@ -1,4 +1,8 @@
-"""``full``: every row stays on the device tier and every step attends to all of them (the reference)."""
+"""``full``: every row stays on the device tier and every step attends to all of them (the reference).
+
+Its rows sit in preallocated buffers a step writes into, attended per KV head without copying them per query
+head (``zoomkv.protocol.dense``): on a GPU that costs less than transformers' own ``DynamicCache``, which
+concatenates the whole KV anew at every step."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zoomkv.memory.tiers import RowBuffer
+from zoomkv.protocol.dense import append_all, keep_all, select_all
 from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection
 
 
@@ -24,28 +28,14 @@ class Full(KVMethod):
     quantizable_device = True
 
     def compress(self, memory, ctx: PrefillContext) -> None:
-        if memory.quantize_device:  # int8/int4 codes on the device tier, dequantized each step
-            memory.device_tier["keys"] = memory.device_rows_buffer(ctx.keys, role="keys")
-            memory.device_tier["values"] = memory.device_rows_buffer(ctx.values, role="values")
-            return
-        memory.device_tier["keys"] = ctx.keys
-        memory.device_tier["values"] = ctx.values
+        # int8/int4 codes on the device tier when the cache quantizes every tier, dequantized each step
+        keep_all(memory, ctx)
 
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
-        tier = memory.device_tier
-        if isinstance(tier["keys"], RowBuffer):
-            tier["keys"].append(key)
-            tier["values"].append(value)
-            return
-        # Plain concatenation, as transformers' DynamicLayer does, so `full` costs what plain generate costs.
-        tier["keys"] = torch.cat([tier["keys"], key], dim=2)
-        tier["values"] = torch.cat([tier["values"], value], dim=2)
+        append_all(memory, key, value)
 
     def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.append(memory, keys, values)  # every row is kept: one concatenation for the whole input
+        append_all(memory, keys, values)  # every row is kept: the whole input at once
 
     def select(self, memory, query: torch.Tensor) -> Selection:
-        keys, values = memory.device_tier["keys"], memory.device_tier["values"]
-        if isinstance(keys, RowBuffer):
-            keys, values = keys.view(), values.view()
-        return Selection(keys, values, use_model_mask=True)
+        return select_all(memory)

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
-from zoomkv.protocol.recallable import padding_bias, recall_rows, reserve_recall_buffer
+from zoomkv.protocol.recallable import (
+    append_valid,
+    host_valid,
+    padding_bias,
+    recall_rows,
+    reserve_recall_buffer,
+    store_valid,
+)
 
 
 @dataclass
@@ -30,8 +37,7 @@ class OracleTopK(KVMethod):
     def compress(self, memory, ctx: PrefillContext) -> None:
         memory.host_tier["keys"] = memory.host_rows(ctx.keys, role="keys")
         memory.host_tier["values"] = memory.host_rows(ctx.values, role="values")
-        if ctx.valid is not None:
-            memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+        store_valid(memory, ctx.valid)
         memory.meta["budget"] = ctx.budget
         memory.meta["scaling"] = ctx.scaling  # the mass vote uses the model's own softmax temperature
         reserve_recall_buffer(memory, min(ctx.budget, ctx.keys.shape[2]))
@@ -39,9 +45,7 @@ class OracleTopK(KVMethod):
     def append(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
         memory.host_tier["keys"].append(key)
         memory.host_tier["values"].append(value)
-        if "valid" in memory.host_tier:
-            ones = torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device)
-            memory.host_tier["valid"].append(ones)
+        append_valid(memory, key)
 
     def select(self, memory, query: torch.Tensor) -> Selection:
         keys = memory.host_tier["keys"].view()  # every row is scored: the oracle reads the whole tier
@@ -49,9 +53,9 @@ class OracleTopK(KVMethod):
         k = min(memory.meta["budget"], n)
         q = group_query(query, keys.shape[1]).to(keys.device)  # [b, h, g, d]; scored where the keys live
         logits = torch.matmul(q, keys.transpose(-1, -2)).float() * memory.meta.get("scaling", 1.0)  # [b, h, g, n]
-        valid = None
-        if "valid" in memory.host_tier:
-            valid = memory.host_tier["valid"].view()[:, :, :, 0]  # [b, 1, n]
+        valid = host_valid(memory)  # [b, 1, n]
+        if valid is not None:
+            valid = valid.to(keys.device)
             logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
         if self.config.group_score == "max":
             score = logits.amax(dim=2)

@@ -20,15 +20,15 @@ from __future__ import annotations
 import torch
 
 from zoomkv.errors import ConfigError
+from zoomkv.protocol.dense import ROOM, append_all, keep_all, select_all
 from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, RowBufferLike, Selection
 from zoomkv.protocol.phases import phase
 
 
-# -- dense layers (kept whole, exactly like ``full``) -------------------------------------------------------
+# -- dense layers (kept whole, exactly like ``full``: zoomkv.protocol.dense) ------------------------------
 def keep_dense(memory: Memory, ctx: PrefillContext) -> None:
     memory.meta["dense"] = True
-    memory.device_tier["keys"] = ctx.keys
-    memory.device_tier["values"] = ctx.values
+    keep_all(memory, ctx)
 
 
 def is_dense(memory: Memory) -> bool:
@@ -36,37 +36,45 @@ def is_dense(memory: Memory) -> bool:
 
 
 def dense_append(memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
-    # The same concatenation ``full`` does, so a dense layer costs (and computes) what ``full`` does.
-    memory.device_tier["keys"] = torch.cat([memory.device_tier["keys"], key], dim=2)
-    memory.device_tier["values"] = torch.cat([memory.device_tier["values"], value], dim=2)
+    append_all(memory, key, value)  # what ``full`` does, so a dense layer costs (and computes) what it does
 
 
 def dense_select(memory: Memory) -> Selection:
-    # All rows in sequence order: the model's own mask (left padding) applies unchanged.
-    return Selection(memory.device_tier["keys"], memory.device_tier["values"], use_model_mask=True)
+    return select_all(memory)
 
 
 # -- the host tier: every row, so any of them can be recalled -------------------------------------------
 def store_host_rows(memory: Memory, ctx: PrefillContext) -> None:
     memory.host_tier["keys"] = memory.host_rows(ctx.keys, role="keys")
     memory.host_tier["values"] = memory.host_rows(ctx.values, role="values")
-    if ctx.valid is not None:
-        # [b, 1, n, 1] so it grows along the row axis like the keys do.
-        memory.host_tier["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+    store_valid(memory, ctx.valid)
 
 
 def append_host_rows(memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
     memory.host_tier["keys"].append(key)
     memory.host_tier["values"].append(value)
-    if "valid" in memory.host_tier:
-        # Generated rows are always real tokens.
-        ones = torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device)
-        memory.host_tier["valid"].append(ones)
+    append_valid(memory, key)
+
+
+def store_valid(memory: Memory, valid: torch.Tensor | None) -> None:
+    """Which host rows are real tokens, ``[b, n]`` (None: all of them), kept on the device tier: the selection
+    masks padding there at every step, and a mask on the host would make a GPU step wait (one byte a row and
+    sequence, counted in the device bytes; only a padded batch has one)."""
+    if valid is not None:  # [b, 1, n, 1] so it grows along the row axis like the keys do
+        memory.device_tier["valid"] = memory.device_rows_buffer(valid[:, None, :, None], room=ROOM)
+
+
+def append_valid(memory: Memory, key: torch.Tensor) -> None:
+    """A step's rows ``key`` ``[b, h, t, d]`` are real tokens."""
+    if "valid" in memory.device_tier:
+        memory.device_tier["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool,
+                                                      device=key.device))
 
 
 def host_valid(memory: Memory) -> torch.Tensor | None:
-    """``[b, 1, n]`` bool (False on left padding), or None when nothing is padded."""
-    buf = memory.host_tier.get("valid")
+    """``[b, 1, n]`` bool: which host rows are real tokens (False on left padding), on the device tier; None when
+    nothing is padded."""
+    buf = memory.device_tier.get("valid")
     return None if buf is None else buf.view()[:, :, :, 0]
 
 
@@ -104,9 +112,16 @@ def recall_rows(
         reserve_recall_buffer(memory, k, prefix)
         rk = memory.device_tier[f"{prefix}_keys"][:, :, :k]
         rv = memory.device_tier[f"{prefix}_values"][:, :, :k]
-        rk.copy_(keys.gather(idx), non_blocking=True)
-        rv.copy_(values.gather(idx), non_blocking=True)
+        gather_into(keys, idx, rk)
+        gather_into(values, idx, rv)
         return rk, rv
+
+
+def gather_into(rows: RowBufferLike, idx: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Rows ``idx`` of a host-tier buffer into the device tensor ``out``: a plain buffer of pinned rows is read
+    by one GPU kernel (``RowBuffer.gather``: no host synchronisation), a per-token coded one gathers its codes
+    that way and decodes them where ``idx`` is."""
+    rows.gather(idx, out=out)
 
 
 def padding_bias(valid: torch.Tensor | None, idx: torch.Tensor | None, heads: int, dtype, device) -> torch.Tensor | None:

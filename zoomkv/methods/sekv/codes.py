@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from zoomkv.kernels import codes as kernel_codes
+
 BITS = (1, 2, 4, 8)
 # The squared-error-optimal uniform step for a standard normal coordinate, by bits (Max 1960, Table II).
 _GAUSS_STEP = {2: 0.9957, 4: 0.3352, 8: 0.0308}
@@ -84,9 +86,21 @@ def _byte_levels_cpu(bits: int) -> torch.Tensor:
     return levels(bits)[idx]
 
 
-def byte_levels(bits: int, device: torch.device | str) -> torch.Tensor:
-    """``[256, 8 / bits]``: the level of each coordinate a byte value packs."""
+@functools.lru_cache(maxsize=64)
+def _byte_levels_on(bits: int, device: str) -> torch.Tensor:
     return _byte_levels_cpu(bits).to(device)
+
+
+def byte_levels(bits: int, device: torch.device | str) -> torch.Tensor:
+    """``[256, 8 / bits]``: the level of each coordinate a byte value packs (a constant table, copied to a
+    device once per process: a copy per call would make every GPU step wait for the host)."""
+    device = torch.device(device)
+    return _byte_levels_cpu(bits) if device.type == "cpu" else _byte_levels_on(bits, str(device))
+
+
+def level_step(bits: int) -> float:
+    """The distance between neighbouring levels: level ``c`` is ``(c - 2**(bits-1) + 0.5) * level_step``."""
+    return 2 * _ONE_BIT if bits == 1 else _GAUSS_STEP[bits]
 
 
 def decode(codes: torch.Tensor, rms: torch.Tensor, bits: int) -> torch.Tensor:
@@ -97,7 +111,10 @@ def decode(codes: torch.Tensor, rms: torch.Tensor, bits: int) -> torch.Tensor:
 
 def score_codes(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, bits: int) -> torch.Tensor:
     """``query`` ``[b, h, g, d]`` (rotated) × codes ``[b, h, n, nbytes]`` with ``rms`` ``[b, h, n, 1]`` →
-    ``[b, h, g, n]``: ``q · decode(codes)`` by table lookups (no code is unpacked)."""
+    ``[b, h, g, n]``: ``q · decode(codes)`` by table lookups (no code is unpacked); on a GPU one kernel that
+    unpacks each row's bytes in registers (``zoomkv.kernels.codes``, held to this)."""
+    if kernel_codes.score_codes_usable(query, codes):
+        return kernel_codes.score_codes(query, codes, rms, bits, level_step(bits))
     b, h, g, d = query.shape
     n, nbytes = codes.shape[2], codes.shape[3]
     per_byte = 8 // bits

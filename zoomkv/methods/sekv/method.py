@@ -53,12 +53,14 @@ from zoomkv.protocol.phases import phase
 from zoomkv.protocol.recallable import (
     RecallableMethod,
     append_host_rows,
+    append_valid,
     host_length,
     host_valid,
     padding_bias,
     recall_rows,
     reserve_recall_buffer,
     store_host_rows,
+    store_valid,
 )
 
 TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
@@ -396,7 +398,7 @@ class SeKV(RecallableMethod):
             host[name] = memory.host_rows(project(rows, mean, directions).to(ctx.keys.dtype))
             memory.meta["low_rank"][name] = True
         if ctx.valid is not None:
-            host["valid"] = memory.host_rows(ctx.valid[:, None, :, None])
+            store_valid(memory, ctx.valid)
         if c.host_exact_late:
             memory.meta["late_from"] = t  # host rows from here on also have an exact copy
             host["late_keys"] = memory.host_rows(ctx.keys[:, :, :0])
@@ -509,8 +511,7 @@ class SeKV(RecallableMethod):
             if "late_from" in memory.meta:
                 host["late_keys"].append(key)
                 host["late_values"].append(value)
-            if "valid" in host:
-                host["valid"].append(torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device))
+            append_valid(memory, key)
         else:
             append_host_rows(memory, key, value)
         dev, c = memory.device_tier, self.config
@@ -564,10 +565,8 @@ class SeKV(RecallableMethod):
         dev, host = memory.device_tier, memory.host_tier
         m = cand.shape[-1]
         codes, rms = dev["cand_codes"][:, :, :m], dev["cand_rms"][:, :, :m]
-        at = cand.to(host["fine_codes"].data.device)[..., None]
-        fine = host["fine_codes"].view()
-        codes.copy_(fine.gather(2, at.expand(-1, -1, -1, fine.shape[-1])), non_blocking=True)
-        rms.copy_(host["fine_rms"].view().gather(2, at), non_blocking=True)
+        host["fine_codes"].gather(cand, out=codes)  # on a GPU read from pinned memory by a kernel: no host wait
+        host["fine_rms"].gather(cand, out=rms)
         logits = score_codes(self.rotated_query(memory, query), codes, rms, self.config.rescore_bits)
         vote = torch.softmax(logits * memory.meta["scaling"], -1).sum(2)
         vote = torch.where(torch.isinf(first), first, vote)
@@ -605,7 +604,7 @@ class SeKV(RecallableMethod):
         and scored exactly against the group's queries (the teacher's own logits, as far as the host tier holds
         them); the ``k`` best by the group's summed softmax, forced rows (``forced``) kept, padding out."""
         h = memory.device_tier["code_mean"].shape[1]
-        keys = memory.host_tier["keys"].gather(cand.to(memory.host_tier["keys"].data.device)).to(query.device)
+        keys = memory.host_tier["keys"].gather(cand).to(query.device)  # on a GPU: read there from pinned memory
         q = group_query(query, h).float()  # [b, h, g·q, d]
         logits = torch.matmul(q, keys.float().transpose(-1, -2)) * memory.meta["scaling"]
         vote = torch.softmax(logits, -1).sum(2)

@@ -202,7 +202,7 @@ class NativeLayer:
         self.written = [self.codes, self.rms, *(self.fine or ())]
         self.written += [self.host[n] for n, own in (("keys", a.append_keys), ("values", a.append_values)) if own]
         self.coded = [(self.host[n], n) for n, own in (("keys", a.append_keys), ("values", a.append_values)) if not own]
-        self.valid = self.host.get("valid")
+        self.valid = self.dev.get("valid")
         self.lib = library()
         self.refresh()
 
@@ -217,7 +217,7 @@ class NativeLayer:
         for name, ok in zip(("keys", "values"), self.readable, strict=True):
             if ok:
                 setattr(a, name, HostArgs(*host_rows(host[name])))
-        valid = host.get("valid")
+        valid = self.dev.get("valid")
         if valid is not None:
             flat = _held(valid)[:, 0, :, 0]  # [b, capacity] bool, contiguous
             a.valid, a.valid_cap = flat.data_ptr(), flat.shape[-1]
@@ -233,7 +233,7 @@ class NativeLayer:
     def _growing(self) -> list:
         """The buffers a step appends to, as row buffers (a quantized tier's parts)."""
         found = [self.codes, self.rms, *(self.fine or ())]
-        for buf in (self.host["keys"], self.host["values"], self.host.get("valid")):
+        for buf in (self.host["keys"], self.host["values"], self.dev.get("valid")):
             if type(buf) is QuantizedRowBuffer:
                 found += [buf.codes, buf.scale, buf.lo]
             elif type(buf) is RowBuffer:

@@ -1,0 +1,92 @@
+"""The Triton kernels against their torch references, run by Triton's interpreter on the CPU.
+
+``TRITON_INTERPRET=1`` runs a kernel's program instances with numpy on CPU tensors: the same indexing, masks and
+arithmetic the GPU compiles, so a wrong stride, mask or unpacking fails here. Fresh random inputs every time,
+the output poisoned before each run so an unwritten element shows. On a GPU ``tests/test_cuda.py`` runs them
+compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from zoomkv import kernels  # noqa: E402
+from zoomkv.kernels import codes as kernel_codes  # noqa: E402
+from zoomkv.kernels.gather import gather_rows, gather_rows_reference  # noqa: E402
+from zoomkv.methods.sekv import codes  # noqa: E402
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ZOOMKV_TRITON", "1")
+    assert kernels.usable(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.bool])
+@pytest.mark.parametrize("dim", [1, 16, 80, 300])
+def test_gather_rows_reads_the_rows_the_indices_name(interpreter, dtype, dim):
+    g = torch.Generator().manual_seed(dim)
+    whole = (torch.randn(3, 2, 57, dim, generator=g) * 50).to(dtype)
+    src = whole[:, :, :41]  # a buffer's view: rows up to its length, strides of its capacity
+    idx = torch.randint(0, 41, (3, 2, 37), generator=g)
+    out = torch.full((3, 2, 37, dim), 7, dtype=dtype)
+    gather_rows(src, idx, out)
+    assert torch.equal(out, gather_rows_reference(src, idx))
+
+
+def test_gather_rows_into_a_slice_of_a_larger_buffer(interpreter):
+    src = torch.randn(2, 4, 30, 8)
+    idx = torch.randint(0, 30, (2, 4, 5))
+    buf = torch.full((2, 4, 9, 8), float("nan"))
+    gather_rows(src, idx, buf[:, :, :5])
+    assert torch.equal(buf[:, :, :5], gather_rows_reference(src, idx)) and buf[:, :, 5:].isnan().all()
+
+
+def test_without_a_kernel_the_reference_runs():
+    """On the CPU without the interpreter no kernel applies: the same rows through torch."""
+    src, idx = torch.randn(2, 2, 10, 4), torch.randint(0, 10, (2, 2, 3))
+    assert not kernels.usable(src, idx)
+    assert torch.equal(gather_rows(src, idx), gather_rows_reference(src, idx))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 4), (96, 1)])
+def test_score_codes_kernel_matches_the_byte_tables(interpreter, monkeypatch, bits, dim, groups):
+    g = torch.Generator().manual_seed(bits * dim)
+    keys = torch.randn(2, 3, 70, dim, generator=g)
+    packed, rms = codes.encode(keys, bits)
+    query = torch.randn(2, 3, groups, dim, generator=g)
+    got = kernel_codes.score_codes(query, packed[:, :, :61], rms[:, :, :61], bits, codes.level_step(bits))
+    monkeypatch.setenv("ZOOMKV_TRITON", "0")  # score_codes' own table path: the reference
+    ref = codes.score_codes(query, packed[:, :, :61], rms[:, :, :61], bits)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_level_step_gives_the_levels():
+    for bits in codes.BITS:
+        c = torch.arange(2**bits, dtype=torch.float32)
+        torch.testing.assert_close((c - 2 ** (bits - 1) + 0.5) * codes.level_step(bits), codes.levels(bits))
+
+
+def test_sekv_selects_the_same_rows_with_the_kernel_scoring(interpreter, monkeypatch):
+    """sekv's torch step (the one a GPU runs) with its codes scored by the kernel picks what the byte tables
+    pick: the same greedy tokens on a padded batch."""
+    from tests.helpers import greedy, padded_batch
+    from zoomkv import ZoomCache, native
+    from zoomkv.models import load_model
+
+    model, _ = load_model("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 61))
+    called = []
+    real = kernel_codes.score_codes
+    monkeypatch.setattr(kernel_codes, "score_codes", lambda *a: called.append(1) or real(*a))
+    with native.torch_path():
+        fast = greedy(model, ids, mask, ZoomCache(model, "sekv", 40), new=6)
+        monkeypatch.setenv("ZOOMKV_TRITON", "0")
+        ref = greedy(model, ids, mask, ZoomCache(model, "sekv", 40), new=6)
+    assert called
+    assert torch.equal(fast.sequences, ref.sequences)

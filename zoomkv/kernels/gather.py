@@ -1,0 +1,70 @@
+"""``gather_rows``: rows picked by device indices, read from wherever they live, written into a device buffer.
+
+The recall of a two-tier cache: every row of a layer sits in pinned host memory, the indices of the rows a step
+needs are on the GPU, and the rows must end up on the GPU. Moving the indices to the host to gather there
+stops the GPU once per layer and step; this kernel reads the pinned rows from the GPU instead (host memory
+mapped into the device's address space, as ShadowKV and RetroInfer read theirs), in stream order, so a row
+written to the host tier by an earlier asynchronous copy is read after it lands.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from zoomkv.kernels import interpreting, usable
+
+
+def gather_rows_reference(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes: ``src`` ``[b, h, n, d]``, ``idx`` ``[b, h, k]`` → ``[b, h, k, d]``."""
+    at = idx.to(src.device)[..., None].expand(-1, -1, -1, src.shape[-1])
+    return src.gather(2, at)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    # keyed by the interpreter switch: triton.jit reads it when a kernel is defined
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows_kernel(src, idx, out, heads, k, dim, s_b, s_h, s_n, i_b, i_h, o_b, o_h, o_k,
+                           BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh = tl.program_id(0)
+        b = (bh // heads).to(tl.int64)
+        h = (bh % heads).to(tl.int64)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        in_k = ks < k
+        rows = tl.load(idx + b * i_b + h * i_h + ks, mask=in_k, other=0).to(tl.int64)
+        for d0 in range(0, dim, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            m = in_k[:, None] & (ds[None, :] < dim)
+            v = tl.load(src + b * s_b + h * s_h + rows[:, None] * s_n + ds[None, :], mask=m)
+            tl.store(out + b * o_b + h * o_h + ks[:, None].to(tl.int64) * o_k + ds[None, :], v, mask=m)
+
+    return gather_rows_kernel
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``idx`` (``[b, h, k]``, int) of ``src`` (``[b, h, n, d]``: a CUDA tensor or pinned host memory,
+    rows contiguous) into ``out`` (``[b, h, k, d]`` on ``idx``'s device; allocated when None). Indices must be
+    in ``[0, n)``. One kernel, no host synchronisation; the torch reference where no kernel runs (on the CPU
+    without the interpreter, the rows are gathered on the host and copied over)."""
+    b, h, k = idx.shape
+    d = src.shape[-1]
+    if out is None:
+        out = torch.empty(b, h, k, d, dtype=src.dtype, device=idx.device)
+    if not usable(src, idx, out) or src.stride(-1) != 1 or out.stride(-1) != 1 or src.dtype != out.dtype:
+        out.copy_(gather_rows_reference(src, idx), non_blocking=True)
+        return out
+    if k == 0 or d == 0:
+        return out
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    block_d = min(128, 1 << (d - 1).bit_length())
+    block_k = 32
+    grid = (b * h, -(-k // block_k))
+    _kernel(interpreting())[grid](src, idx, out, h, k, d, src.stride(0), src.stride(1), src.stride(2), idx.stride(0),
+                    idx.stride(1), out.stride(0), out.stride(1), out.stride(2), BLOCK_K=block_k, BLOCK_D=block_d)
+    return out
