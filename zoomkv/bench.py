@@ -69,7 +69,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         configs.insert(0, None)  # None: the hf row
         reference = 1
 
-    def timed(run: RunSpec | None, new: int) -> tuple[GenerationResult, int | None]:
+    def timed(run: RunSpec | None, new: int, texts: list[str] = prompts) -> tuple[GenerationResult, int | None]:
         cuda = model.device.type == "cuda"
         if cuda:
             import torch
@@ -78,15 +78,18 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             base = torch.cuda.memory_allocated(model.device)
             torch.cuda.reset_peak_memory_stats(model.device)
         if run is None:
-            r = generate_plain(model, tokenizer, prompts, max_new_tokens=new, chat=False, stop_at_eos=False)
+            r = generate_plain(model, tokenizer, texts, max_new_tokens=new, chat=False, stop_at_eos=False)
         else:
-            r = generate_text(model, tokenizer, prompts, run.cache, max_new_tokens=new, chat=False, stop_at_eos=False)
+            r = generate_text(model, tokenizer, texts, run.cache, max_new_tokens=new, chat=False, stop_at_eos=False)
         return r, (torch.cuda.max_memory_allocated(model.device) - base) if cuda else None
 
-    # warm-up: one short run per configuration so lazy initialisation is not timed
+    # warm-up: one short run per configuration so lazy initialisation (and kernel compilation) is not timed
+    warm_length = getattr(args, "warmup_length", 0) or args.length
+    warm_prompts = prompts if warm_length >= args.length else \
+        [passkey_prompt(tokenizer, max(64, warm_length), depth=0.5, seed=i).text for i in range(batch)]
     for run in [] if getattr(args, "no_warmup", False) else configs:
         _progress(t0, f"warm-up {_name(run)}")
-        timed(run, 2)
+        timed(run, 4, warm_prompts)
 
     samples: list[list[tuple[GenerationResult, int | None]]] = [[] for _ in configs]
     for rep in range(args.repeats):

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bench's point: here N adds runs, elsewhere it sets the one run)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short warm-up run per configuration (long prompts: it costs a whole prefill)")
+    parser.add_argument("--warmup-length", type=int, default=0, metavar="TOKENS",
+                        help="warm up on prompts of this many tokens instead of --length (lazy initialisation and "
+                             "kernel compilation do not need the whole prompt; 0: --length)")
     parser.add_argument("--no-hf", action="store_true",
                         help="leave out the hf row (the same model and prompts through plain transformers: its own "
                              "DynamicCache and sdpa attention, no zoomkv) that every ratio can also be read against")

@@ -23,7 +23,9 @@ def _kernel(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the row count grows every step and strides with capacity: not specialised (one compilation a shape)
+    @triton.jit(do_not_specialize=["n", "q_b", "q_h", "q_g", "c_b", "c_h", "c_n", "r_b", "r_h", "r_n", "o_b", "o_h",
+                                   "o_g"])
     def score_codes_kernel(q, codes, rms, out, heads, groups, n, dim, step, half,
                            q_b, q_h, q_g, c_b, c_h, c_n, r_b, r_h, r_n, o_b, o_h, o_g,
                            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -28,7 +28,8 @@ def _kernel(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # lengths and strides change as buffers fill and grow: not specialised, or every new value would compile anew
+    @triton.jit(do_not_specialize=["k", "s_b", "s_h", "i_b", "i_h", "o_b", "o_h", "o_k"])
     def gather_rows_kernel(src, idx, out, heads, k, dim, s_b, s_h, s_n, i_b, i_h, o_b, o_h, o_k,
                            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         bh = tl.program_id(0)

@@ -342,6 +342,11 @@ class QuantizedRowBuffer(RowBuffer):
         return self._decoded(self.codes.view(), self.scale.view(), self.lo.view(),
                              None if self.exact is None else self.exact.view())
 
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """Every row decoded on ``device`` (the codes travel, not the rows)."""
+        return self._decoded(self.codes.rows_on(device), self.scale.rows_on(device), self.lo.rows_on(device),
+                             None if self.exact is None else self.exact.rows_on(device))
+
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         found = self._gather(idx)
         return found if out is None else out.copy_(found, non_blocking=True)
@@ -438,6 +443,9 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         full = pending.shape[2] - pending.shape[2] % self.block
         self._append_blocks(pending[:, :, :full])
         self.residual = pending[:, :, full:].contiguous()
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        return self.view().to(device)
 
     def view(self) -> torch.Tensor:
         n = self.codes.length

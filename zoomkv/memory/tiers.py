@@ -54,18 +54,28 @@ class RowBuffer:
         return self.data.nbytes
 
     def view(self) -> torch.Tensor:
+        """Every row, where the buffer lives (after the copies in flight into it have landed: a host read)."""
+        self.wait()
         return self.data[:, :, : self.length]
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """Every row on ``device``: pinned rows go to the GPU by an asynchronous copy queued after the ones that
+        wrote them (no host wait)."""
+        if self.pinned and torch.device(device).type == "cuda":
+            return self.data[:, :, : self.length].to(device, non_blocking=True)
+        return self.view().to(device)
 
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (``[b, h, k]`` row ids; None: every row) as a ``[b, h, k, dim]`` tensor: where the
         buffer lives, or, for pinned rows and indices on the GPU, on the GPU, read there by one kernel with no
         host synchronisation (``zoomkv.kernels.gather``); into ``out`` when given."""
+        if self.pinned and idx is not None and idx.is_cuda:
+            return gather_rows(self.data[:, :, : self.length], idx, out)  # in stream order: nothing to wait for
+        if self.pinned and idx is None and out is not None and out.is_cuda:
+            return out.copy_(self.data[:, :, : self.length], non_blocking=True)
         rows = self.view()
         if idx is None:
             return rows if out is None else out.copy_(rows, non_blocking=True)
-        if self.pinned and idx.is_cuda:
-            return gather_rows(rows, idx, out)
-        self.wait()  # a host read of rows an asynchronous copy may still be writing
         at = idx.to(rows.device)[..., None].expand(-1, -1, -1, rows.shape[-1])
         found = rows.gather(2, at)
         return found if out is None else out.copy_(found, non_blocking=True)
@@ -84,7 +94,7 @@ class RowBuffer:
     def wait(self) -> None:
         """Before the host reads rows: wait for the asynchronous copies that write them (rare: the GPU path
         reads them on the GPU)."""
-        if self.in_flight:
+        if getattr(self, "in_flight", False):  # (coded buffers keep theirs in their parts)
             torch.cuda.synchronize()
             self.in_flight = False
 

@@ -48,10 +48,12 @@ class OracleTopK(KVMethod):
         append_valid(memory, key)
 
     def select(self, memory, query: torch.Tensor) -> Selection:
-        keys = memory.host_tier["keys"].view()  # every row is scored: the oracle reads the whole tier
+        # Every row is scored: the oracle reads the whole tier, on the query's device (pinned rows copied there
+        # without a host wait; on the CPU, where they are).
+        keys = memory.host_tier["keys"].rows_on(query.device)
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
-        q = group_query(query, keys.shape[1]).to(keys.device)  # [b, h, g, d]; scored where the keys live
+        q = group_query(query, keys.shape[1])  # [b, h, g, d]
         logits = torch.matmul(q, keys.transpose(-1, -2)).float() * memory.meta.get("scaling", 1.0)  # [b, h, g, n]
         valid = host_valid(memory)  # [b, 1, n]
         if valid is not None:
