@@ -90,3 +90,13 @@ def test_sekv_selects_the_same_rows_with_the_kernel_scoring(interpreter, monkeyp
         ref = greedy(model, ids, mask, ZoomCache(model, "sekv", 40), new=6)
     assert called
     assert torch.equal(fast.sequences, ref.sequences)
+
+
+def test_score_codes_kernel_tiles_a_long_group(interpreter, monkeypatch):
+    """A chunk of new tokens asks with heads x tokens query rows at once: tiled over the grid, not one block."""
+    g = torch.Generator().manual_seed(3)
+    packed, rms = codes.encode(torch.randn(1, 2, 40, 64, generator=g), 1)
+    query = torch.randn(1, 2, 150, 64, generator=g)
+    got = kernel_codes.score_codes(query, packed, rms, 1, codes.level_step(1))
+    monkeypatch.setenv("ZOOMKV_TRITON", "0")
+    torch.testing.assert_close(got, codes.score_codes(query, packed, rms, 1), rtol=1e-5, atol=1e-4)

@@ -43,7 +43,7 @@ def _kernel(interpret: bool):
         code = (byte >> ((ds % per_byte) * BITS)[None, :]) & ((1 << BITS) - 1)
         level = (code.to(tl.float32) - half + 0.5) * step  # [BLOCK_N, BLOCK_D]
         scale = tl.load(rms + b * r_b + h * r_h + ns.to(tl.int64) * r_n, mask=in_n, other=0.0).to(tl.float32)
-        gs = tl.arange(0, BLOCK_G)
+        gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)  # a block of the group's query rows
         in_g = gs < groups
         qt = tl.load(q + b * q_b + h * q_h + gs[None, :] * q_g + ds[:, None], mask=in_d[:, None] & in_g[None, :],
                      other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_G]: every query head of the group at once
@@ -71,10 +71,13 @@ def score_codes(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, bit
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
     block_n = 64
-    grid = (b * h, -(-n // block_n))
+    # query rows a program takes: a decode step's group (4 heads) pads to 16; a chunk of new tokens (g = heads x
+    # tokens) is tiled in blocks of 64, the third grid axis
+    block_g = min(64, max(16, 1 << (g - 1).bit_length()))
+    grid = (b * h, -(-n // block_n), -(-g // block_g))
     _kernel(interpreting())[grid](query, codes, rms, out, h, g, n, d, float(step), float(2 ** (bits - 1)),
                     query.stride(0), query.stride(1), query.stride(2), codes.stride(0), codes.stride(1),
                     codes.stride(2), rms.stride(0), rms.stride(1), rms.stride(2), out.stride(0), out.stride(1),
                     out.stride(2), BITS=bits, BLOCK_N=block_n, BLOCK_D=max(16, 1 << (d - 1).bit_length()),
-                    BLOCK_G=max(16, 1 << (g - 1).bit_length()))
+                    BLOCK_G=block_g)
     return out

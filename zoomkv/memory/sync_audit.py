@@ -115,7 +115,9 @@ def classify(name: str, args: tuple, kwargs: dict) -> str | None:
         if to is None or frm is None or to == frm or "meta" in (to.type, frm.type):
             return None
         if to.type == "cpu" and frm.type != "cpu":
-            return "device-to-host copy"
+            # into pinned memory without blocking: queued on the stream, nothing waits (the host tier's appends)
+            pinned = name == "aten::copy_" and isinstance(dst, torch.Tensor) and dst.is_pinned()
+            return None if pinned and not blocking else "device-to-host copy"
         if blocking and frm.type == "cpu":
             return "blocking host-to-device copy"
     return None
