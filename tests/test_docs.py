@@ -175,3 +175,12 @@ def test_the_readme_snippet_runs(tmp_path):
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "README.md", "exec"), {})
     assert printed.getvalue().strip(), "the snippet prints the generated text"
+
+
+def test_zoomkv_methods_prints_each_default_as_written(capsys):
+    """docs/methods.md sends users to `zoomkv methods` for the published defaults: each is a value, not an object."""
+    from zoomkv.cli import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "host_bits=[]" in out and " object at 0x" not in out
