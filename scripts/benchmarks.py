@@ -169,6 +169,7 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"--adapter {K8V4} --tasks niah_multiturn --length 2048 --samples 10 --out {out}/multiturn"],
             ["quickstart"]),
         Table("rank", "Rank budgets for the host tier", [
+            f"python scripts/host_rank_probe.py {TEACHER} --ranks 16,32,48 --exact-sinks 4",
             f"python scripts/host_rank_probe.py {TEACHER} --ranks 16,32,48 --exact-sinks 4 --pre-rope 100000",
             f"zoomkv train --recipe {RECIPE} run_name=qs-rank40 host_rank_target=0.4 teacher_cache={TEACHER} "
             "resume=latest",
