@@ -7,7 +7,7 @@ STAMP := $(VENV)/.zoomkv-installed
 # The CPU wheel this machine serves; on a GPU host override it, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test check test-fast lint bench clean install-gemma
+.PHONY: install demo test check test-fast lint bench benchmarks docs clean install-gemma
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,5 +47,18 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m zoomkv bench --model smollm2-135m --length 4096 --methods full,oracle_topk --budgets 256 --repeats 3
 
+# Rerun the tables of BENCHMARKS.md into runs/benchmarks/ (resumable: run it again after a kill).
+# QUICK=1: the README table's rows at 2 samples a task; ONLY=heldout,decode: some tables (scripts/benchmarks.py --list).
+benchmarks: $(STAMP)
+	$(PY) scripts/benchmarks.py $(if $(QUICK),--quick) $(if $(ONLY),--only $(ONLY))
+
+# The API reference from the docstrings, browsable in site/api/index.html (pdoc, the `docs` extra; not part of CI).
+API_MODULES := zoomkv zoomkv.memory zoomkv.protocol zoomkv.methods zoomkv.adapters zoomkv.models zoomkv.generation \
+	zoomkv.conversation zoomkv.runspec zoomkv.eval zoomkv.train zoomkv.cli zoomkv.compat zoomkv.budget zoomkv.errors
+docs: $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m pdoc $(API_MODULES) '!zoomkv.train.deepspeed_engine' --docformat markdown --output-directory site/api
+	@echo "the API reference: site/api/index.html"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -4,10 +4,11 @@ Each run folder's ``rows.jsonl`` is read (``full``, the reference every run repe
 only); one plot (``eval.plots.pareto_memory``) and one Markdown table (``eval.summary``) of every configuration
 are written to ``--out``. ``--points CSV`` adds configurations measured in earlier runs on the same prompts
 (``label,score,device,host``: mean score, device and host tier in % of full KV), drawn as the same kind of
-point; the CSV names the BENCHMARKS table they come from. BENCHMARKS.md, "Host tier":
+point; the CSV names the BENCHMARKS table they come from. Over the runs of BENCHMARKS.md, "Host formats on the
+held-out prompts":
 
-    python scripts/host_pareto.py runs/heldout-b128-baselines runs/heldout-b128-int4-trained \\
-        runs/heldout-b128-hostformats runs/heldout-b128-fit19 --points docs/host-tier/earlier.csv --out docs/host-tier
+    python scripts/host_pareto.py runs/heldout-b128-hostformats runs/heldout-b128-int4-trained \\
+        runs/heldout-b128-k8v4-host runs/heldout-b128-kivi4g64-host --points docs/host-tier/earlier.csv --out runs/host-pareto
 """
 
 from __future__ import annotations

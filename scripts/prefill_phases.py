@@ -3,7 +3,7 @@
 Times one-shot prefills of ``full`` and each adapter (interleaved, ``--repeats`` rounds) on the bench's pass-key
 prompts and splits what sekv adds: the token surprisal (the LM head over every prompt position), the layers'
 compression after it, and the host rows' storing within that (where a quantized host tier codes its rows).
-BENCHMARKS.md, "The prefill with a quantized host tier":
+BENCHMARKS.md, "4K, batch 4, and the prefill with a quantized host tier":
 
     python scripts/prefill_phases.py --batch-size 4 --length 4096 \\
         checkpoints/sekv-smollm2-quickstart/adapter checkpoints/sekv-smollm2-k8v4/adapter

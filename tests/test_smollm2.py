@@ -99,7 +99,7 @@ def test_a_question_asked_after_compression_is_answered_by_recall_not_by_evictio
 
 
 def test_generate_again_on_the_same_cache_answers_about_the_first_turn(smollm2):
-    """The README's example: a second ``generate`` on the cache of the first asks about the first context."""
+    """docs/runtime.md's example: a second ``generate`` on the cache of the first asks about the first context."""
     model, tok = smollm2
     prompt = passkey_prompt(tok, 1024, depth=0.3, seed=11)
     ids = tok(prompt.text, return_tensors="pt", add_special_tokens=False)["input_ids"]

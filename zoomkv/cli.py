@@ -61,6 +61,7 @@ def _help_parts(module: ModuleType, fallback: str) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``zoomkv`` parser: one subparser per entry of ``COMMANDS``, each with the module's flags."""
     from zoomkv.version import __version__
 
     parser = Parser(prog="zoomkv", description=__doc__.split("\n")[0])
@@ -110,6 +111,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``zoomkv ARGV`` (the ``zoomkv`` script and ``python -m zoomkv``); its exit status, 2 for bad input."""
     parser = build_parser()
     args = _parse(parser, argv)
     return _run(parser.prog, args.func, args)

@@ -37,6 +37,7 @@ def cache_kwarg() -> str:
 
 
 def generate_cache_kwargs(cache_obj: Any) -> dict[str, Any]:
+    """The ``generate()`` keyword that passes a cache on this transformers version: ``cache=`` or ``past_key_values=``."""
     return {cache_kwarg(): cache_obj}
 
 

@@ -22,6 +22,11 @@ ACKNOWLEDGEMENT = "I have read the document. Ask me anything about it."
 
 
 class Conversation:
+    """Questions in turn over one long document, compressed once into a persistent ``ZoomCache`` (``zoomkv chat``).
+
+        chat = Conversation(model, tokenizer, document, CacheSpec.build("quest", 256))
+        chat.ask("Who signed it?"); chat.ask("And when?")      # each answer stays in the cache"""
+
     def __init__(self, model: Any, tokenizer: Any, document: str, spec: CacheSpec, *, chat: bool | None = None,
                  max_new_tokens: int = 128):
         """``spec``: the cache the document is compressed into (method, budget, variants, prefill chunk)."""
@@ -91,7 +96,9 @@ class Conversation:
 
     @property
     def tokens(self) -> int:
+        """Tokens in the cache so far: the document, and every question and answer."""
         return self.ids.shape[1]
 
     def memory_report(self) -> MemoryReport:
+        """The cache's bytes per tier now."""
         return self.cache.memory_report()

@@ -25,6 +25,8 @@ from zoomkv.models import context_limit
 
 @dataclass
 class GenerationResult:
+    """What ``generate_text`` returns: the texts, token counts, prefill and decode timings, the memory report."""
+
     texts: list[str]
     prompt_tokens: int
     new_tokens: int
@@ -38,6 +40,7 @@ class GenerationResult:
 
     @property
     def text(self) -> str:
+        """The first sequence's text."""
         return self.texts[0]
 
 

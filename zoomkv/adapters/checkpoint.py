@@ -47,6 +47,7 @@ def checkpoint_files(modules: torch.nn.Module, *, method: str, hyper: dict[str, 
 def write_checkpoint(folder: str | Path, modules: torch.nn.Module, *, method: str, hyper: dict[str, Any],
                      base_model: dict[str, Any], shape: ModelShape, budget: str | int | float | None = None,
                      extra: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
+    """Write a training checkpoint folder (weights and ``adapter_meta.json`` with their checksum), all or nothing."""
     files = checkpoint_files(modules, method=method, hyper=hyper, base_model=base_model, shape=shape,
                              budget=budget, extra=extra)
     return write_folder_atomically(folder, files, overwrite=overwrite)

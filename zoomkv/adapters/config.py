@@ -59,6 +59,12 @@ def _peft_version() -> str | None:
 
 @dataclass
 class ZoomAdapterConfig:
+    """``adapter_config.json``: what rebuilds an adapter's modules and checks them before anything runs.
+
+    The method and its hyper-parameters, the base model's fingerprint (another base model is refused) and shape
+    (the modules are sized from it alone), the budget it was trained or evaluated at, the trainable fraction and
+    the weights' SHA-256; versioned, with PEFT's keys so PEFT's loaders read it as it is."""
+
     method: str
     hyper: dict[str, Any]
     base_model: dict[str, Any]  # base_fingerprint(): name, revision and the FINGERPRINT_KEYS
@@ -82,15 +88,18 @@ class ZoomAdapterConfig:
         return {"method": self.method, "hyper": self.hyper, "base_model": self.base_model}
 
     def model_shape(self) -> ModelShape:
+        """The base model's shape the modules are sized from."""
         try:
             return ModelShape.from_dict(self.shape)
         except ConfigError as err:
             raise AdapterConfigError(f"adapter config: invalid 'shape' ({err})") from err
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict."""
         return asdict(self)
 
     def to_json(self) -> str:
+        """The file's text: the fields plus PEFT's keys (``peft_type``, ``task_type``, ``base_model_name_or_path``)."""
         # PEFT's keys too, so `PeftModel.from_pretrained` and `AutoPeftModelForCausalLM.from_pretrained` read a
         # zoomkv export as it is (peft_integration); inference_mode as PEFT's save_pretrained writes it.
         peft: dict[str, Any] = {"peft_type": PEFT_TYPE, "task_type": PEFT_TASK_TYPE, "inference_mode": True,
@@ -101,6 +110,7 @@ class ZoomAdapterConfig:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "adapter config") -> ZoomAdapterConfig:
+        """A config from parsed JSON, every field checked (version, types, sizes); one ``AdapterConfigError`` naming ``source``."""
         if not isinstance(data, dict):
             raise AdapterConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
         # The version first: a future format may rename every other field.
@@ -144,6 +154,7 @@ class ZoomAdapterConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ZoomAdapterConfig:
+        """Read and check ``adapter_config.json`` at ``path``."""
         path = Path(path)
         if not path.is_file():
             raise AdapterNotFoundError(f"no {CONFIG_NAME} at {path}")

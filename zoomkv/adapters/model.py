@@ -126,6 +126,16 @@ def _first_line(err: BaseException) -> str:
 
 
 class ZoomAdapter:
+    """A trained method's modules and the config that rebuilds and checks them: the artefact a user loads.
+
+        adapter = ZoomAdapter.from_pretrained("checkpoints/NAME")    # a folder, a training checkpoint or a Hub id
+        cache = cache_from_adapter(model, adapter)                   # a ZoomCache running it at its budget
+
+    ``from_pretrained`` verifies the weights' checksum, their shapes and identity before anything runs;
+    ``attach(model)`` refuses another base model, naming both; ``make_method()`` is the KV method holding the
+    modules; ``save_pretrained`` / ``push_to_hub`` write the PEFT-style folder (config, safetensors, model card).
+    ``config`` is the ``ZoomAdapterConfig``, ``modules`` the ``nn.Module``."""
+
     def __init__(self, config: ZoomAdapterConfig, modules: torch.nn.Module):
         self.config = config
         self.modules = modules
@@ -149,6 +159,7 @@ class ZoomAdapter:
     @classmethod
     def from_modules(cls, modules: torch.nn.Module, method: str, hyper: dict[str, Any], *, shape: ModelShape,
                      fingerprint: dict[str, Any], budget: str | int | float | None = None) -> ZoomAdapter:
+        """An adapter of these modules (the trainer's result): its config records the method, hyper-parameters, shape and base model."""
         trainable = sum(p.numel() for p in modules.parameters() if p.requires_grad)
         fraction = trainable / shape.num_parameters if shape.num_parameters else None
         config = ZoomAdapterConfig(method=method, hyper=dict(hyper), base_model=dict(fingerprint),
@@ -162,6 +173,7 @@ class ZoomAdapter:
     @classmethod
     def from_config_and_tensors(cls, config: ZoomAdapterConfig, tensors: dict[str, torch.Tensor],
                                 source: str = "adapter") -> ZoomAdapter:
+        """Rebuild the modules ``config`` describes and load ``tensors`` into them (names and shapes checked)."""
         if tensors and all(k.startswith(PEFT_WEIGHTS_PREFIX) for k in tensors):  # saved by PeftModel
             tensors = {k.removeprefix(PEFT_WEIGHTS_PREFIX): v for k, v in tensors.items()}
         modules = build_adapter_modules(config.method, config.model_shape(), dict(config.hyper), tensors,
@@ -219,6 +231,7 @@ class ZoomAdapter:
     def push_to_hub(self, repo_id: str, *, scores: dict[str, Any] | None = None, private: bool | None = None,
                     token: str | None = None, revision: str | None = None, commit_message: str | None = None,
                     endpoint: str | None = None) -> str:
+        """Upload the adapter folder (config, weights, card with ``scores``) to the Hub repository ``repo_id``; its URL."""
         with tempfile.TemporaryDirectory(prefix="zoomkv-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "adapter", scores=scores)
             return push_folder(folder, repo_id, private=private, token=token, revision=revision,

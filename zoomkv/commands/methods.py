@@ -21,12 +21,21 @@ def _kind(cls: type) -> str:
     return "recallable" if cls.recallable else ("no budget" if not cls.uses_budget else "eviction")
 
 
+def _default(f: dataclasses.Field) -> object:
+    """A field's default as a user would write it (a list's factory called, not shown as an object)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "required"
+
+
 def run(args: argparse.Namespace) -> int:
     from zoomkv.methods import METHODS, TRAINING, list_methods
 
     if args.name is None:
         for cls in list_methods():
-            params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_class))
+            params = ", ".join(f"{f.name}={_default(f)!r}" for f in dataclasses.fields(cls.config_class))
             kind = _kind(cls) + (", trainable" if cls.name in TRAINING else "")
             print(f"{cls.name:14s} [{kind}] {cls.summary}" + (f"\n{'':14s}   defaults: {params}" if params else ""))
         print("\n`zoomkv methods NAME` explains each hyper-parameter; set one with --method-arg key=value")

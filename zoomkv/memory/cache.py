@@ -33,6 +33,8 @@ from zoomkv.protocol.method import KVMethod
 
 @dataclass
 class LayerReport:
+    """One layer's line of a ``MemoryReport``: its kind and its bytes per tier."""
+
     layer: int
     kind: str  # "zoom" (run by the method), "dense" (kept whole by the method's design), "sliding" (untouched)
     device_bytes: int
@@ -45,6 +47,13 @@ class LayerReport:
 
 @dataclass
 class MemoryReport:
+    """What a ``ZoomCache`` holds, per layer and in total (``cache.memory_report()``).
+
+    Bytes of the device tier (the accelerator, or the CPU without one: the rows a step attends to, the method's
+    index) and of the host tier (CPU memory: the rows a recallable method keeps), next to what transformers' own
+    cache would hold for the same tokens (``full_kv_bytes``); KV only, no weights. ``format()`` prints it,
+    ``to_dict()`` is the ``--json`` form."""
+
     method: str
     budget: int | None
     tokens: int
@@ -52,14 +61,17 @@ class MemoryReport:
 
     @property
     def device_bytes(self) -> int:
+        """Bytes on the device tier, summed over layers."""
         return sum(r.device_bytes for r in self.layers)
 
     @property
     def host_bytes(self) -> int:
+        """Bytes on the host tier, summed over layers (quantized rows at their coded size)."""
         return sum(r.host_bytes for r in self.layers)
 
     @property
     def full_kv_bytes(self) -> int:
+        """What transformers' own cache would hold for the same tokens, at the model's dtype."""
         return sum(r.full_kv_bytes for r in self.layers)
 
     @property
@@ -75,10 +87,12 @@ class MemoryReport:
         return max((r.peak_device_rows for r in self.layers if r.kind == "zoom"), default=0)
 
     def totals(self) -> dict[str, int]:
+        """The totals over layers: device, host and full-KV bytes, and the device tier's peaks."""
         return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "full_kv_bytes": self.full_kv_bytes,
                 "peak_device_bytes": self.peak_device_bytes, "peak_device_rows": self.peak_device_rows}
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON values: method, budget, tokens, the totals and every layer's line."""
         return {
             "method": self.method,
             "budget": self.budget,
@@ -88,6 +102,7 @@ class MemoryReport:
         }
 
     def format(self) -> str:
+        """The report as a few lines of text: each tier in MiB and as a share of full KV."""
         full = max(self.full_kv_bytes, 1)
         budget = f"budget {self.budget if self.budget is not None else '-'} rows"
         if self.budget is not None and self.layers and not any(r.kind == "zoom" for r in self.layers):
@@ -108,8 +123,16 @@ def _mib(n: int) -> str:
 
 
 class ZoomCache(Cache):
-    """``ZoomCache(model, spec)`` with a ``CacheSpec``, or ``ZoomCache(model, "quest", 256, kv_quant="int8", ...)``:
-    the same keywords as ``CacheSpec.build``, which makes the spec."""
+    """The KV cache ``model.generate()`` runs with: each full-attention layer a ``LayerMemory`` whose rows a
+    KV method keeps within B device rows per KV head, the rest on the host tier.
+
+    ``ZoomCache(model, spec)`` with a ``CacheSpec``, or ``ZoomCache(model, "quest", 256, kv_quant="int8", ...)``:
+    the same keywords as ``CacheSpec.build``, which makes the spec. Building one attaches zoomkv's attention to
+    the model (run without a ``ZoomCache``, an attached model is plain sdpa). Pass it with
+    ``model.generate(**inputs, **generate_cache_kwargs(cache))``; ``memory_report()`` gives its bytes per tier;
+    a second ``generate()`` with the same cache and longer ``input_ids`` extends the compressed context.
+    ``prefill_chunk=N`` puts long prompts through in pieces of N tokens; ``tokenizer=`` lets methods read
+    token classes; ``diagnose=True`` scores each step's selection against full attention."""
 
     def __init__(
         self,
@@ -168,24 +191,29 @@ class ZoomCache(Cache):
 
     # transformers calls this right before the attention function of the same layer
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """transformers' cache call before a layer's attention: marks a compressed layer active, then stores as the layer does."""
         if isinstance(self.layers[layer_idx], LayerMemory):
             mark_active(self, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def zoom_layer(self, layer_idx: int) -> LayerMemory | None:
+        """Layer ``layer_idx``'s ``LayerMemory``, or None for a sliding-window layer (passed through untouched)."""
         layer = self.layers[layer_idx]
         return layer if isinstance(layer, LayerMemory) else None
 
     @property
     def budget(self) -> Budget | None:
+        """The budget as given (rows or a share of the prompt); None for a method without one."""
         return self.spec.budget
 
     @property
     def tail_summary(self) -> bool:
+        """Whether each step adds the softmax-tail row (one of the B rows)."""
         return self.spec.tail_summary
 
     @property
     def kv_quant(self) -> QuantSpec | None:
+        """The host tier's KV format (``int8``, ``kivi4``, ...), None for full precision."""
         return self.spec.kv_quant
 
     @property
@@ -194,6 +222,7 @@ class ZoomCache(Cache):
         return self.spec.prefill_chunk
 
     def resolve_budget(self, context_length: int) -> int | None:
+        """The budget in rows for a prompt of ``context_length`` tokens, fixed at the first prefill and checked against the method."""
         if self.budget is None:
             return None
         if self.budget_rows is None:
@@ -202,6 +231,7 @@ class ZoomCache(Cache):
         return self.budget_rows
 
     def memory_report(self) -> MemoryReport:
+        """Bytes per tier of every layer now, next to full KV (see ``MemoryReport``)."""
         report = MemoryReport(method=self.method.name, budget=self.budget_rows, tokens=self.get_seq_length())
         for i, layer in enumerate(self.layers):
             if isinstance(layer, LayerMemory):
@@ -219,6 +249,7 @@ class ZoomCache(Cache):
 
     @property
     def max_device_rows(self) -> int:
+        """The most device rows per KV head any compressed layer held at a decode step so far."""
         return max((layer.max_device_rows for layer in self.layers if isinstance(layer, LayerMemory)), default=0)
 
     def release(self) -> None:

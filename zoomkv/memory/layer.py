@@ -20,6 +20,14 @@ HOST_ROOM = 256  # rows a GPU machine's pinned host buffers hold past the prompt
 
 
 class LayerMemory(CacheLayerMixin):
+    """One full-attention layer of a ``ZoomCache``: the method's rows in two counted tiers.
+
+    ``device_tier`` and ``host_tier`` hold the tensors the method stores (every one counted in
+    ``memory_report()``), ``meta`` its Python values; ``host_rows``, ``device_rows_buffer`` and ``device_buffer``
+    make buffers in the right tier (pinned host memory on CUDA, coded rows when the cache quantizes KV). It is a
+    transformers cache layer, but ``update`` only counts the tokens: the zoomkv attention function calls the
+    method's ``compress``, ``append`` and ``select``."""
+
     is_sliding = False
     is_compileable = False
     is_croppable = False
@@ -46,6 +54,7 @@ class LayerMemory(CacheLayerMixin):
 
     # -- transformers' cache-layer protocol ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Take the batch, KV heads, head sizes, dtype and device from the layer's first keys and values."""
         self.device = key_states.device
         self.device_tier.device = key_states.device
         self.batch, self.kv_heads, _, self.key_dim = key_states.shape
@@ -54,6 +63,7 @@ class LayerMemory(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Count the tokens that arrived and hand them back: the method, not transformers, decides what is stored."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[2]
@@ -62,16 +72,19 @@ class LayerMemory(CacheLayerMixin):
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Masks are built over true positions: every token seen so far plus the new ones.
+        """Masks span every true position: the tokens seen so far plus the new ones."""
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
+        """Tokens this layer has been given (true positions, whatever the method keeps)."""
         return self.seen
 
     def get_max_length(self) -> int:
+        """No fixed maximum (-1)."""
         return -1
 
     def reset(self) -> None:
+        """Forget every row and statistic: the layer as built."""
         self.seen = 0
         self.compressed = False
         self.device_tier.clear()
@@ -83,26 +96,33 @@ class LayerMemory(CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Refused: compressed rows cannot be un-seen."""
         raise NotImplementedError("a ZoomCache cannot be cropped: compressed rows cannot be un-seen")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused: beam search is not supported."""
         raise NotImplementedError("beam search is not supported with a ZoomCache; use greedy or sampling")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused: ``num_return_sequences > 1`` is not supported."""
         raise NotImplementedError("num_return_sequences > 1 is not supported with a ZoomCache")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused: batch selection is not supported."""
         raise NotImplementedError("batch selection is not supported with a ZoomCache")
 
     def offload(self) -> None:  # tiers are managed by the method, not by transformers' offloading
+        """Nothing: the method manages the tiers, not transformers' offloading."""
         pass
 
     def prefetch(self) -> None:
+        """Nothing: the method manages the tiers, not transformers' offloading."""
         pass
 
     # -- helpers for methods ---------------------------------------------------------------------------
     @property
     def pin_host(self) -> bool:
+        """Whether host-tier copies are pinned (on a CUDA machine, so recalls copy back without blocking)."""
         return self.device.type == "cuda"
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -133,6 +153,7 @@ class LayerMemory(CacheLayerMixin):
 
     @property
     def quantize_device(self) -> bool:
+        """Whether the device tier's rows are quantized too (``--kv-quant-tiers all``, e.g. ``full+int8``)."""
         return self.cache.kv_quant is not None and self.cache.kv_quant.tiers == "all"
 
     def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows", room: int = 0) -> RowBuffer:
@@ -148,10 +169,12 @@ class LayerMemory(CacheLayerMixin):
 
     @property
     def device_bytes(self) -> int:
+        """Bytes on this layer's device tier."""
         return self.device_tier.nbytes
 
     @property
     def host_bytes(self) -> int:
+        """Bytes on this layer's host tier."""
         return self.host_tier.nbytes
 
     @property

@@ -54,6 +54,15 @@ class TrainedModules:
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """Everything a ``ZoomCache`` runs with, checked once: the built method, the budget, the softmax tail,
+    the KV quantization and its tiers, the prefill chunk, and a trained adapter's modules.
+
+        spec = CacheSpec.build("quest", 256, tail_summary=True, kv_quant="int8")
+        cache = ZoomCache(model, spec)                  # or generate_text(model, tokenizer, prompts, spec)
+
+    An impossible combination (a budget the method cannot meet, a tail on an eviction method, a quantization
+    that would quantize nothing) raises here, before a model runs; one spec serves every prompt of a run."""
+
     method: KVMethod
     budget: Budget | None = None  # device rows per layer per KV head; None: the method needs none (full)
     tail_summary: bool = False  # one mean row for everything a step did not select (zoomkv.memory.tail)

@@ -88,6 +88,7 @@ def list_models() -> list[ModelSpec]:
 
 
 def get_model_spec(name: str) -> ModelSpec | None:
+    """The registered model ``name`` (``zoomkv models``), None for a Hub id or folder."""
     return _REGISTRY.get(name)
 
 

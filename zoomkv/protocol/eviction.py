@@ -205,6 +205,7 @@ class EvictionMethod(KVMethod):
     new_row_score: float = POS_INF
 
     def capacity(self, ctx: PrefillContext) -> int:
+        """Rows per KV head this layer keeps: its share of the budget (``layer_budget``)."""
         if ctx.budget is None:  # check_budget refuses this before any prefill; kept for direct callers
             raise ZoomKVError(f"method {self.name!r} needs a budget")
         return self.layer_budget(ctx.layer_idx, ctx.num_layers, ctx.budget, ctx.zoom_layers)

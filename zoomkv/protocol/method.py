@@ -26,11 +26,14 @@ class RowBufferLike(Protocol):
 
     length: int
 
-    def view(self) -> torch.Tensor: ...
+    def view(self) -> torch.Tensor:
+        """Every row held, ``[batch, kv_heads, n, dim]`` (a quantized buffer decodes them all)."""
 
-    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``idx`` (``[batch, kv_heads, k]``) only; ``None``: every row; into ``out`` when given."""
 
-    def append(self, rows: torch.Tensor) -> None: ...
+    def append(self, rows: torch.Tensor) -> None:
+        """Add rows at the end (``[batch, kv_heads, m, dim]``), growing the buffer as needed."""
 
 
 class Memory(Protocol):
@@ -46,11 +49,15 @@ class Memory(Protocol):
     value_dim: int
     dtype: torch.dtype
 
-    def host_rows(self, tensor: torch.Tensor, quantize: bool = True, role: str = "rows") -> RowBufferLike: ...
+    def host_rows(self, tensor: torch.Tensor, quantize: bool = True, role: str = "rows") -> RowBufferLike:
+        """A growable host-tier buffer holding ``tensor``, coded as the cache's KV format says for ``role``."""
 
-    def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows", room: int = 0) -> RowBufferLike: ...
+    def device_rows_buffer(self, tensor: torch.Tensor, role: str = "rows", room: int = 0) -> RowBufferLike:
+        """A growable device-tier buffer holding ``tensor`` (coded only when every tier is quantized), with
+        ``room`` rows allocated past it."""
 
-    def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+    def device_buffer(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A preallocated device-tier tensor for ``rows`` rows per KV head."""
 
 
 @dataclass
@@ -99,6 +106,7 @@ class MethodConfig:
     """Base of every method's hyper-parameter dataclass."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The hyper-parameters as a dict."""
         return dataclasses.asdict(self)
 
 
@@ -145,7 +153,13 @@ def kv_rows(value: object) -> int:
 
 
 class KVMethod:
-    """Base class of a KV method. Subclasses set ``name``, ``config_class`` and a one-line ``citation``."""
+    """Base class of a KV method: what the runtime asks of every method, and the defaults.
+
+    Subclasses set ``name``, ``config_class`` (a ``MethodConfig`` dataclass of the published defaults) and a
+    one-line ``citation``, and implement the three hooks: ``compress`` (after the prompt's exact attention),
+    ``append`` (each decode step's new row) and ``select`` (the rows a step attends to, as a ``Selection``).
+    ``EvictionMethod`` and ``RecallableMethod`` write the shared parts of each family once;
+    ``docs/writing-a-method.md`` shows a whole method."""
 
     name: ClassVar[str]
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
@@ -197,6 +211,7 @@ class KVMethod:
         return 1
 
     def check_budget(self, budget: int | None) -> None:
+        """Raise ``BudgetError`` unless this method can run at ``budget`` rows (None: only for a method without one)."""
         if not self.uses_budget:
             return
         if budget is None:
@@ -223,6 +238,8 @@ class KVMethod:
 
     # -- the three hooks --------------------------------------------------------------------------------
     def compress(self, memory: Memory, ctx: PrefillContext) -> None:
+        """After the prompt's exact attention: keep what the method keeps of ``ctx.keys`` / ``ctx.values`` in
+        ``memory``'s tiers, at most ``ctx.budget`` device rows per KV head (the runtime checks)."""
         raise NotImplementedError
 
     def append(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -153,6 +153,7 @@ class RecallableMethod(KVMethod):
         return layer_idx < self.config.dense_layers
 
     def compress(self, memory: Memory, ctx: PrefillContext) -> None:
+        """Every row to the host tier, then the method's index (``build_index``); a dense layer keeps its rows whole."""
         if self.dense_layer(ctx.layer_idx, ctx.num_layers):
             keep_dense(memory, ctx)
             return

@@ -33,11 +33,13 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
 
 
 def unregister_method(name: str) -> None:
+    """Remove ``name`` from the registry (tests register methods of their own)."""
     METHODS.pop(name, None)
     TRAINING.pop(name, None)
 
 
 def get_method(name: str | KVMethod, **hyperparameters: Any) -> KVMethod:
+    """The method ``name`` built with these hyper-parameters (the rest at their published defaults); a method object is returned as is."""
     if isinstance(name, KVMethod):
         return name
     if name not in METHODS:
@@ -46,6 +48,7 @@ def get_method(name: str | KVMethod, **hyperparameters: Any) -> KVMethod:
 
 
 def list_methods() -> list[type[KVMethod]]:
+    """Every registered method class, by name (``zoomkv methods`` prints them)."""
     return [METHODS[n] for n in sorted(METHODS)]
 
 

@@ -16,6 +16,8 @@ from zoomkv.models.registry import same_base_name
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The base model's sizes an adapter's modules are built from, recorded in the adapter so it loads without the model."""
+
     model_type: str
     num_layers: int
     num_attention_heads: int
@@ -67,13 +69,16 @@ class ModelShape:
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers a ``ZoomCache`` compresses (sliding-window layers left out)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (``adapter_config.json``'s ``shape``)."""
         return asdict(self)
 
     @classmethod
     def from_config(cls, config: Any, num_parameters: int | None = None) -> ModelShape:
+        """The shape a transformers config describes."""
         text = compat.text_config(config)
         heads = text.num_attention_heads
         return cls(
@@ -91,6 +96,7 @@ class ModelShape:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        """The shape of a loaded model, its parameter count included."""
         return cls.from_config(model.config, sum(p.numel() for p in model.parameters()))
 
 

@@ -48,6 +48,13 @@ def finite_at_least(value: Any, low: float) -> bool:
 
 
 class MethodTraining:
+    """What a trainable method adds to the registry (``register_method(..., training=...)``): its modules and
+    objective, for the trainer, the adapter loader and ``--adapter`` alike.
+
+    A subclass gives ``recipe_class`` (the method's recipe keys), ``build_modules`` (from an adapter config),
+    ``init_modules``, ``param_groups``, ``step_loss``, ``hyper``, ``method_config`` and ``with_modules`` (the
+    method running these modules); ``docs/ARCHITECTURE.md``, "Adding a method", has the whole recipe."""
+
     recipe_class: ClassVar[type[RecipeOptions]] = RecipeOptions
     report_name: ClassVar[str] = "report"  # the run folder's <report_name>.json holds ``report`` before and after
     size_hint: ClassVar[str] = "make the modules smaller"  # what to change when they are over the size limit
@@ -83,6 +90,7 @@ class MethodTraining:
 
     # -- the objective ------------------------------------------------------------------------------------
     def param_groups(self, modules: torch.nn.Module, recipe: Any) -> list[dict[str, Any]]:
+        """The optimiser's parameter groups (default: every parameter at the recipe's ``lr``)."""
         return [{"params": list(modules.parameters()), "lr": recipe.lr}]
 
     def step_loss(self, modules: torch.nn.Module, sample: Sample, layers: list[int], recipe: Any, step: int,

@@ -46,7 +46,7 @@ def output_errors(samples: Sequence[dict[str, torch.Tensor]], spec: QuantSpec, b
     The cost: the attention output's relative squared error, plus (``kl``) the KL divergence of the attention
     weights from the exact ones — what coded keys do and coded values cannot: move the attention to other
     rows. (Without it the first fit spent 2-bit keys where the mean output barely moved, and lost needles that
-    2-bit values keep; BENCHMARKS.md, "Host tier".)"""
+    2-bit values keep; BENCHMARKS.md, "Host formats on the held-out prompts".)"""
     sums: dict[int, dict[str, dict[int, float]]] = {}
     count: dict[int, int] = {}
     with torch.no_grad():

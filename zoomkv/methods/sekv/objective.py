@@ -303,7 +303,7 @@ class SeKVRecipe(RecipeOptions):
     host_format: str = "none"
     host_budget: float = 0.0
     # the fit's cost adds the attention weights' KL divergence to the output error (false: the output error alone,
-    # the first fit of BENCHMARKS.md's "Host tier")
+    # the first fit of BENCHMARKS.md's "Host formats on the held-out prompts")
     host_fit_kl: bool = True
 
     def __post_init__(self) -> None:

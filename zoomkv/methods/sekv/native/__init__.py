@@ -2,7 +2,7 @@
 
 The torch path (``SeKV._pick`` / ``codes.encode``) is the reference and runs everywhere; on CPU tensors this
 kernel does the same work per layer in one call, without the ``[g, n·bytes]`` gather, the softmax tensors
-and the sort of every row the torch path materialises (``BENCHMARKS.md``, "Decode speed").
+and the sort of every row the torch path materialises (``BENCHMARKS.md``, "Decode and prefill speed on CPU").
 
 It is built once per machine on first use and called through ``ctypes`` (``zoomkv.native``: plain C, nothing
 executes from a file); its loops over (sequence, KV head) run on torch's own OpenMP threads. Without a
