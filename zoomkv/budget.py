@@ -15,8 +15,8 @@ from zoomkv.errors import BudgetError
 @dataclass(frozen=True)
 class Budget:
     """The budget B: device rows per layer per KV head, as a row count (``Budget(rows=512)``) or as a share
-    of the prompt resolved once its length is known (``Budget(fraction=0.1)``); ``Budget.parse("512")`` reads the
-    command line's form."""
+    of the prompt resolved once its length is known (``Budget(fraction=0.1)``); ``parse`` reads the
+    command line's form (``"512"``, ``"0.1"``)."""
 
     rows: int | None = None  # absolute row count
     fraction: float | None = None  # fraction of the prompt length

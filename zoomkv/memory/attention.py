@@ -141,6 +141,10 @@ def zoomkv_attention_forward(
             # final-norm hook (see cache.attach) compresses every pending layer then.
             if not method.reads_queries and recorder is None:  # not held until then (an empty tensor, no view)
                 ctx.queries = query.new_empty(*query.shape[:2], 0, query.shape[3])
+            if memory.pin_host and key.is_cuda and recorder is None:
+                # The layer's prompt rows wait in pinned host memory, not on the GPU: every layer's KV on the device
+                # at once until the last layer is what full holds. Asynchronous both ways (back at finish_prefill).
+                ctx.keys, ctx.values = memory.to_host(key, non_blocking=True), memory.to_host(value, non_blocking=True)
             cache.pending[layer_idx] = ctx
             return out, None
         compress_layer(cache, memory, ctx)
@@ -211,6 +215,9 @@ def finish_prefill(cache: Any, surprisal: torch.Tensor) -> None:
     """Compress the layers that waited for surprisal (``needs_surprisal`` methods), in layer order."""
     for layer_idx in sorted(cache.pending):
         ctx = cache.pending.pop(layer_idx)
+        if ctx.keys.device != surprisal.device:  # waited on the host (a GPU's pinned memory): back for compress
+            ctx.keys = ctx.keys.to(surprisal.device, non_blocking=True)
+            ctx.values = ctx.values.to(surprisal.device, non_blocking=True)
         ctx.surprisal = surprisal.to(ctx.keys.device)
         compress_layer(cache, cache.zoom_layer(layer_idx), ctx)
 

@@ -125,12 +125,13 @@ class LayerMemory(CacheLayerMixin):
         """Whether host-tier copies are pinned (on a CUDA machine, so recalls copy back without blocking)."""
         return self.device.type == "cuda"
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host-tier copy (pinned on a CUDA machine, so recalls can copy back without blocking)."""
+    def to_host(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A host-tier copy (pinned on a CUDA machine, so recalls can copy back without blocking;
+        ``non_blocking``: the copy from the GPU is queued, and only stream-ordered GPU work may read it)."""
         if tensor.device.type == "cpu" and not self.pin_host:
             return tensor.contiguous()
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_host)
-        out.copy_(tensor)
+        out.copy_(tensor, non_blocking=non_blocking and self.pin_host and tensor.is_cuda)
         return out
 
     def host_rows(self, tensor: torch.Tensor, quantize: bool = True, role: str = "rows") -> RowBuffer:
