@@ -18,7 +18,7 @@ import yaml
 from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import parse_task_mix
 from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.protocol.method import value_fits
+from zoomkv.protocol.method import coerce_number, value_fits
 from zoomkv.protocol.registry import TRAINING, get_training
 from zoomkv.protocol.training import MethodTraining
 
@@ -105,6 +105,7 @@ FILE_KEYS = ("init_adapter",)
 
 def _check_type(key: str, value: Any, hint: Any, choices: dict[str, tuple[Any, ...]]) -> Any:
     allowed = typing.get_args(hint) or (hint,)
+    value = coerce_number(hint, value, f"recipe key {key!r}")  # lr: 1e-3 arrives from YAML as the text '1e-3'
     if not value_fits(hint, value):
         names = " or ".join(a.__name__ for a in allowed)
         raise ConfigError(f"recipe key {key!r}: expected {names}, got {type(value).__name__} {value!r}")
@@ -262,7 +263,8 @@ def check_paths(cfg: TrainConfig, from_file: dict[str, Any]) -> None:
 # The range of each numeric generic key (the method's own keys are checked by its recipe class). A value
 # outside it (lr: .nan, a negative lr, budget: 0, threads: -2) is refused before any model loads.
 RANGES: dict[str, tuple[str, Any]] = {
-    "lr": ("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+    # a step moves each weight by about lr: above 10 nothing trains, and lr: 1e3 is a slip for 1e-3
+    "lr": ("a finite number > 0 and at most 10", lambda v: math.isfinite(v) and 0 < v <= 10),
     "weight_decay": ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
     "grad_clip": ("a finite number >= 0 (0: no clipping)", lambda v: math.isfinite(v) and v >= 0),
     "max_trainable_fraction": ("a number in (0, 1]", lambda v: 0 < v <= 1),
