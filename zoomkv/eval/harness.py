@@ -29,6 +29,7 @@ from zoomkv.eval.rows import PART_GLOB, RowStore, check_eval_folder, row_key
 from zoomkv.eval.shards import Processes, batch_of, join_processes
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
 from zoomkv.generation import GenerationResult, generate_methods, generate_turns
+from zoomkv.locks import acquire_on_main, lock_inside
 from zoomkv.runspec import RunSpec, parse_runs
 
 log = logging.getLogger(__name__)
@@ -274,11 +275,22 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
         torch.set_num_threads(cfg.threads)
     if cfg.report_only and cfg.overwrite:
         raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
-    out = Path(cfg.out)
+    out = Path(cfg.out).expanduser()
     if cfg.report_only and not ((out / "rows.jsonl").is_file() or any(out.glob(PART_GLOB))):
         raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")  # before RowStore makes the folder
     check_eval_folder(out, report_only=cfg.report_only)  # a folder of other files, or a file of theirs in the way
     procs = join_processes(cfg.device)
+    # One writer per --out: two evaluations of one folder would each append every row to rows.jsonl
+    lock = lock_inside(out, "eval", "--out")
+    acquire_on_main(lock, procs.main)
+    try:
+        return _run_locked(cfg, prep, procs, model, tokenizer)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: EvalConfig, prep: Prepared, procs: Processes, model: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """``run_eval`` once ``--out`` is this evaluation's alone."""
     store = RowStore(cfg.out, part=procs.rank if procs.world > 1 else None)
     if not cfg.overwrite:
         store.check_identity(_identity(cfg, prep, cfg.chat), resuming=not cfg.report_only)  # every process alike

@@ -24,6 +24,7 @@ from zoomkv.adapters.files import INCOMPLETE_MARKER, is_adapter_folder, is_incom
 from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
+from zoomkv.locks import LOCK_NAME
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.train.config import TrainConfig
 from zoomkv.train.teacher import check_cache_folder, is_cache_folder
@@ -65,10 +66,9 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
     trained into afresh (that would overwrite some steps and leave others for a later ``resume=latest``).
     Returns what ``overwrite`` removes (``start_over``): the earlier run's step folders and adapter."""
     run = cfg.run_dir
-    if (run.exists() or run.is_symlink()) and not run.is_dir():
-        raise ConfigError(f"run folder {run} (output_dir/run_name) is a file; choose another run_name")
+    check_run_path(cfg)
     check_cache_folder(cfg.cache_dir)
-    if not run.is_dir() or not any(run.iterdir()):
+    if not run.is_dir() or not any(p.name != LOCK_NAME for p in run.iterdir()):  # this run's lock alone: empty
         return []
     if not is_run_folder(run):
         raise ConfigError(f"run folder {run} (output_dir/run_name) holds files and no zoomkv run; choose another "
@@ -86,6 +86,13 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
                           "another run_name, or start it over with overwrite=true (removes its checkpoints and "
                           "adapter)")
     return ours if cfg.overwrite else []
+
+
+def check_run_path(cfg: TrainConfig) -> None:
+    """The run folder's path is not a file's (before its lock is made in it)."""
+    run = cfg.run_dir
+    if (run.exists() or run.is_symlink()) and not run.is_dir():
+        raise ConfigError(f"run folder {run} (output_dir/run_name) is a file; choose another run_name")
 
 
 def start_over(cfg: TrainConfig, earlier: list[Path]) -> None:
