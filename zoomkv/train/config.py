@@ -101,6 +101,7 @@ class TrainConfig:
 
 
 FILE_KEYS = ("init_adapter",)
+MAX_STEPS = 10_000_000
 
 
 def _check_type(key: str, value: Any, hint: Any, choices: dict[str, tuple[Any, ...]]) -> Any:
@@ -219,6 +220,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
         if getattr(cfg, key) < (0 if key == "steps" else 1):
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.steps > MAX_STEPS:  # steps: 1e30 would train (and checkpoint) without end
+        raise ConfigError(f"recipe key 'steps' must be at most {MAX_STEPS:,} (weeks of training at the fastest "
+                          f"this trainer steps: a longer run is a number mistyped), got {cfg.steps:,}")
     if cfg.samples_per_step > cfg.num_samples:  # a step of 1e9 micro-batches would run for ever
         raise ConfigError(f"recipe key 'samples_per_step' must be at most num_samples ({cfg.num_samples}: a step "
                           f"draws its samples from those), got {cfg.samples_per_step}")

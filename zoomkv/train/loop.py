@@ -40,12 +40,14 @@ from zoomkv.logs import LOGGER_NAME, progress_shown
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train import deepspeed_engine
 from zoomkv.train.checkpoints import (
+    check_checkpoint_space,
     check_resume,
     check_run_folder,
     check_run_path,
     claim_run_folder,
     load_checkpoint_state,
     resume_folder,
+    resume_step,
     save_checkpoint,
     start_over,
 )
@@ -98,6 +100,7 @@ def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
     adapter = build_adapter(cfg, shape)
     frozen = freeze_parameters(adapter, cfg.freeze)  # an unknown name fails here, before the teacher signals
     check_fraction(adapter, shape, cfg, log=log.info)
+    check_checkpoint_space(cfg, adapter, resume_step(resume))  # what the run will write, before it starts
     if frozen:
         log.info("held at their start: %s", ", ".join(frozen))
     log.info("%d process(es), %s, %s", accelerator.num_processes, engine_name(accelerator), accelerator.device)
