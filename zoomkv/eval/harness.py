@@ -43,6 +43,7 @@ class EvalConfig:
     budgets: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     lengths: list[int] = field(default_factory=lambda: [4096])
+    lengths_defaulted: bool = False  # the command line gave no --length: records cut to the default are warned of
     samples: int = 4
     data: list[str] = field(default_factory=list)
     data_format: str = "auto"
@@ -343,6 +344,8 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
     identity = _identity(cfg, prep, fmt.chat)
     store.check_identity(identity)  # the chat setting, now that the tokenizer says what auto means
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
+    if procs.main:
+        say_records_cut(cfg, prep, fmt, model_max)
     # Build each group's first sample before any decoding (every process, every group: a failure is everyone's
     # at once) and before anything is written: a length too short for a task's template, a record too long for
     # the model or without the context the protocol compresses fails now, not after an hour of other tasks, and
@@ -394,6 +397,24 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
     finally:
         bar.close()
     return model, tokenizer, fmt.chat
+
+
+def say_records_cut(cfg: EvalConfig, prep: Prepared, fmt: PromptFormat, model_max: int) -> None:
+    """How many of each data task's records are cut in the middle to the length, and to what: a warning when
+    the length is the default nobody chose (a file of 8K prompts scored at 4K would be read as a method's
+    failure), a note when --length asked for it."""
+    tasks = {t.name: t for t in prep.data}
+    for name, length, _, count in prep.groups:
+        task = tasks.get(name)
+        cut = task.records_cut(fmt, length, count, model_max=model_max) if task is not None else 0
+        if not cut:
+            continue
+        if cfg.lengths_defaulted:
+            log.warning("--data %s: %d of %d records are longer than %d tokens (--length's default) and are cut in "
+                        "the middle to fit; give --length N to keep more of them (the model reads up to %d tokens)",
+                        name, cut, count, length, model_max)
+        else:
+            log.info("--data %s: %d of %d records are cut in the middle to fit --length %d", name, cut, count, length)
 
 
 def _write_report(cfg: EvalConfig, prep: Prepared, store: RowStore, chat: bool | None, processes: int) -> None:
