@@ -409,10 +409,13 @@ def say_records_cut(cfg: EvalConfig, prep: Prepared, fmt: PromptFormat, model_ma
         cut = task.records_cut(fmt, length, count, model_max=model_max) if task is not None else 0
         if not cut:
             continue
-        if cfg.lengths_defaulted:
+        if cfg.lengths_defaulted and length < model_max:
             log.warning("--data %s: %d of %d records are longer than %d tokens (--length's default) and are cut in "
-                        "the middle to fit; give --length N to keep more of them (the model reads up to %d tokens)",
+                        "the middle to fit; give --length up to %d (the model's limit) to keep more of them",
                         name, cut, count, length, model_max)
+        elif cfg.lengths_defaulted:
+            log.warning("--data %s: %d of %d records are longer than the model reads (%d tokens, less each record's "
+                        "answer) and are cut in the middle to fit", name, cut, count, model_max)
         else:
             log.info("--data %s: %d of %d records are cut in the middle to fit --length %d", name, cut, count, length)
 
