@@ -324,7 +324,7 @@ def test_export_crash_leaves_nothing_loadable(tmp_path, probe_method, llama, mon
     with pytest.raises(OSError, match="simulated crash"):
         export_checkpoint(ckpt, out)
     assert written and not out.exists()
-    assert [p for p in out.parent.iterdir()] == []  # the staging folder is gone too
+    assert not out.parent.exists()  # the staging folder is gone too, and the folder made to hold it (and the lock)
     monkeypatch.setattr(export, "_write_file", real)
     export_checkpoint(ckpt, out)
     ZoomAdapter.from_pretrained(out)

@@ -260,7 +260,8 @@ CHAT = cases(CHAT_BASE, [
     ("prefill-chunk-zero", ["--context-file", "{text}", *COMPRESS, "--prefill-chunk", "0"], "prefill"),
     ("adapter-missing", ["--context-file", "{text}", "--adapter", "{missing}"], "no-such-file"),
     ("binary-question", ["--context-file", "{text}", *COMPRESS], "UTF-8", b"\xff\x00\x01 what?\n"),
-    ("surrogate-question", ["--context-file", "{text}", *COMPRESS], "ok", "\udcff\x00\x01 what?\n"),
+    # undecodable bytes as a surrogateescape stdin hands them over: refused as --context-file refuses them (issue 43)
+    ("surrogate-question", ["--context-file", "{text}", *COMPRESS], "UTF-8", "\udcff\x00\x01 what?\n"),
     ("long-question", ["--context-file", "{text}", *COMPRESS], None, "why " * 3000 + "\n"),
 ])
 

@@ -131,8 +131,8 @@ def middle_truncate(fmt: PromptFormat, rec: Record, limit: int, what: str) -> tu
     bound = character_bound(fmt, limit)
     framing = len(rec.head) + len(rec.tail) + len(rec.answer_prefix)
     if framing > bound:  # more characters than limit tokens can hold: over the limit, untokenized
-        raise ZoomKVError(f"{what}: its instruction and question alone ({framing:,} characters) take more than "
-                          f"the limit of {limit} tokens")
+        raise ZoomKVError(f"{what}: its instruction and question alone ({framing:,} characters) are over the "
+                          f"limit of {limit} tokens")
     context = cut_characters(rec.context, bound)
     total = size(context)
     if total <= limit:
