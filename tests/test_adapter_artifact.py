@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from zoomkv.adapters.card import load_scores, render_card
 from zoomkv.adapters.checkpoint import STATE_NAME, write_checkpoint
-from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME
+from zoomkv.adapters.config import CONFIG_NAME, WEIGHTS_NAME, ZoomAdapterConfig
 from zoomkv.adapters.errors import (
     AdapterConfigError,
     AdapterError,
@@ -36,7 +36,7 @@ from zoomkv.adapters.errors import (
 )
 from zoomkv.adapters.export import export_checkpoint
 from zoomkv.adapters.model import ZoomAdapter, cache_from_adapter
-from zoomkv.adapters.weights import sha256
+from zoomkv.adapters.weights import sha256, tensors_to_bytes
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ZoomKVError
 from zoomkv.methods.oracle_topk import OracleTopK, OracleTopKConfig
@@ -207,9 +207,15 @@ def test_corrupt_weights_bytes(saved):
         ZoomAdapter.from_pretrained(saved)
 
 
-def _rewrite_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """New weights, with their checksum recorded (the checksum is never optional)."""
-    save_file(tensors, str(folder / WEIGHTS_NAME))
+def _rewrite_weights(folder: Path, tensors: dict[str, torch.Tensor], *, identity: bool = True) -> None:
+    """New weights, with their checksum recorded (the checksum is never optional) and, unless ``identity`` is
+    False, the identity of the config beside them (weights that record none are refused before their keys and
+    shapes are looked at)."""
+    if identity:
+        stamp = ZoomAdapterConfig.from_json_file(folder / CONFIG_NAME).weights_identity()
+        (folder / WEIGHTS_NAME).write_bytes(tensors_to_bytes(tensors, stamp))
+    else:
+        save_file(tensors, str(folder / WEIGHTS_NAME))
     config = json.loads((folder / CONFIG_NAME).read_text())
     config["weights_sha256"] = sha256((folder / WEIGHTS_NAME).read_bytes())
     (folder / CONFIG_NAME).write_text(json.dumps(config))
@@ -318,7 +324,7 @@ def test_export_crash_leaves_nothing_loadable(tmp_path, probe_method, llama, mon
     with pytest.raises(OSError, match="simulated crash"):
         export_checkpoint(ckpt, out)
     assert written and not out.exists()
-    assert [p for p in out.parent.iterdir()] == []  # the staging folder is gone too
+    assert not out.parent.exists()  # the staging folder is gone too, and the folder made to hold it (and the lock)
     monkeypatch.setattr(export, "_write_file", real)
     export_checkpoint(ckpt, out)
     ZoomAdapter.from_pretrained(out)

@@ -153,6 +153,18 @@ def make_handler(hub: FakeHub, port_box: list[int]) -> type[BaseHTTPRequestHandl
     return Handler
 
 
+@pytest.fixture(autouse=True)
+def _hub_mode_of_the_test(monkeypatch):
+    """Every test here sets the Hub mode it needs itself: the environment's (HF_HUB_OFFLINE=1, as on many offline
+    clusters) is cleared, and so is huggingface_hub's copy of it, read once when it was imported. zoomkv reads
+    the variables at each call; a test that wants offline sets them."""
+    import huggingface_hub.constants as c
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+
+
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
     hub = FakeHub()

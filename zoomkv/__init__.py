@@ -4,11 +4,43 @@ The package face: importing ``zoomkv`` (or any part of it) registers every shipp
 ``get_method`` and the adapter loader know them all. The layers are in docs/ARCHITECTURE.md.
 """
 
-from zoomkv.budget import Budget
-from zoomkv.errors import ZoomKVError
-from zoomkv.memory import CacheSpec, LayerMemory, MemoryReport, ZoomCache, attach
-from zoomkv.methods import get_method, list_methods, register_method
-from zoomkv.version import __version__
+
+def _started_as_command() -> bool:
+    """Whether this process is the ``zoomkv`` command: its console script, or ``python -m zoomkv`` (``.train``,
+    ``.demo``, ...). Read from the command line alone: nothing here may import anything heavy."""
+    import os
+    import sys
+
+    if sys.argv and os.path.basename(sys.argv[0]).removesuffix(".exe") == "zoomkv":
+        return True
+    args = iter(getattr(sys, "orig_argv", [])[1:])
+    for arg in args:  # the interpreter's options, up to the script or module it runs
+        if arg in ("-X", "-W"):
+            next(args, None)  # an option's value, not the script
+        elif arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
+            module = arg[2:] or next(args, "")
+            return module.split(".")[0] == "zoomkv"
+        elif arg == "-c" or not arg.startswith("-"):
+            return False
+    return False
+
+
+# Importing the package imports torch and transformers: seconds, during which a Ctrl-C lands here, before the
+# command line's own interrupt handling (zoomkv.cli) exists. The command says so in one line and exits 130,
+# as it does later; a program that imports zoomkv gets its KeyboardInterrupt as ever.
+try:
+    from zoomkv.budget import Budget
+    from zoomkv.errors import ZoomKVError
+    from zoomkv.memory import CacheSpec, LayerMemory, MemoryReport, ZoomCache, attach
+    from zoomkv.methods import get_method, list_methods, register_method
+    from zoomkv.version import __version__
+except KeyboardInterrupt:
+    if not _started_as_command():
+        raise
+    import sys
+
+    print("zoomkv: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def _register_with_peft() -> None:

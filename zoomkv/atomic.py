@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -150,7 +151,7 @@ def settle_leftovers(parent: Path, name: str, ours: Iterable[str] = ()) -> None:
                                 "does not; move what you need out of it, then delete it", old, name,
                                 ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""), target)
                     continue
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_aside(aside)
     for staging in _leftovers(parent, name, STAGING_TAG):
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -177,7 +178,36 @@ def replace_folder(staged: Path, target: Path) -> None:
             shutil.rmtree(aside, ignore_errors=True)
         raise
     if aside is not None:
+        remove_aside(aside)
+
+
+def remove_aside(aside: Path) -> None:
+    """Delete an aside folder whose target is back in place. What cannot be deleted (an immutable file, one in
+    a folder of another owner) stays, and so does the folder's mark, so a later run may still sweep it; a
+    warning names the folder and what is left, instead of a hidden folder nobody is told of."""
+    left: list[str] = []
+
+    def failed(function: object, path: str, error: object) -> None:
+        left.append(path)
+
+    on_error = {"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}
+    for entry in sorted(os.scandir(aside), key=lambda e: e.name):
+        if entry.name == OWNED_MARK:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, **on_error)  # type: ignore[arg-type]
+        else:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                left.append(entry.path)
+    if not left:
         shutil.rmtree(aside, ignore_errors=True)
+        return
+    shown = ", ".join(str(Path(p).relative_to(aside)) for p in left[:3]) + (" ..." if len(left) > 3 else "")
+    log.warning("could not remove %s, the earlier copy of a folder now replaced: %s could not be deleted "
+                "(immutable, or not yours to delete); the new folder is in place, delete that one when you can",
+                aside, shown)
 
 
 def write_file_atomically(path: Path, write: Callable[[Path], object]) -> Path:

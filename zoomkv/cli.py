@@ -112,19 +112,28 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``zoomkv ARGV`` (the ``zoomkv`` script and ``python -m zoomkv``); its exit status, 2 for bad input."""
-    parser = build_parser()
-    args = _parse(parser, argv)
+    try:  # building the parser imports every command's module: a Ctrl-C can land there too
+        parser = build_parser()
+        args = _parse(parser, argv)
+    except KeyboardInterrupt:
+        print("zoomkv: interrupted", file=sys.stderr)
+        return 130
     return _run(parser.prog, args.func, args)
 
 
 def run_command(name: str, argv: list[str] | None = None, *, prog: str) -> int:
     """One subcommand as a program of its own (``python -m zoomkv.train`` is ``zoomkv train``), with the
     same arguments and error path."""
-    module, help_text = _command(name)
-    parser = Parser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, **_help_parts(module, help_text))
-    module.add_arguments(parser)
-    add_loudness(parser)
-    args = _parse(parser, argv)
+    try:
+        module, help_text = _command(name)
+        parser = Parser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        **_help_parts(module, help_text))
+        module.add_arguments(parser)
+        add_loudness(parser)
+        args = _parse(parser, argv)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     return _run(parser.prog, module.run, args)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zoomkv.adapters.config import CONFIG_NAME
+from zoomkv.adapters.config import CONFIG_NAME, read_json_file
 from zoomkv.adapters.errors import AdapterConfigError, AdapterNotFoundError
 from zoomkv.adapters.files import INCOMPLETE_MARKER, is_incomplete, write_folder_atomically
 from zoomkv.adapters.weights import module_tensors, read_weights, sha256, tensors_to_bytes, weights_identity
@@ -86,10 +86,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], ModelShape, dict[
         raise AdapterNotFoundError(
             f"{path} is not a training checkpoint: it needs {STATE_NAME} and {META_NAME} (or an exported adapter)"
         )
-    try:
-        meta = json.loads((path / META_NAME).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterConfigError(f"{path / META_NAME}: not valid JSON ({err})") from err
+    meta = read_json_file(path / META_NAME)
     if not isinstance(meta, dict):
         raise AdapterConfigError(f"{path / META_NAME}: expected a JSON object")
     missing = [k for k in META_REQUIRED if k not in meta]

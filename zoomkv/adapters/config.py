@@ -158,10 +158,33 @@ class ZoomAdapterConfig:
         path = Path(path)
         if not path.is_file():
             raise AdapterNotFoundError(f"no {CONFIG_NAME} at {path}")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:  # ValueError: bad JSON, an integer of 4300+ digits
-            raise AdapterConfigError(f"{path}: not valid JSON ({err})") from err
-        except RecursionError:
-            raise AdapterConfigError(f"{path}: not valid JSON (nested too deeply)") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_file(path), source=str(path))
+
+
+class DuplicateKeyError(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: an object, unless a key comes twice. JSON itself keeps the last
+    value, so an edited config (``"recent": 8`` ... ``"recent": 16``) would silently say one thing and run
+    another; recipes refuse a YAML key given twice the same way."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} is given twice in one object (which one is meant?)")
+        out[key] = value
+    return out
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file of an adapter or checkpoint (config, meta), every problem one ``AdapterConfigError`` naming it:
+    not UTF-8, not JSON, nested too deeply, an integer of 4300+ digits, or a key given twice."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except DuplicateKeyError as err:
+        raise AdapterConfigError(f"{path}: {err}") from None
+    except (UnicodeDecodeError, ValueError) as err:  # ValueError: bad JSON, an integer of 4300+ digits
+        raise AdapterConfigError(f"{path}: not valid JSON ({err})") from err
+    except RecursionError:
+        raise AdapterConfigError(f"{path}: not valid JSON (nested too deeply)") from None

@@ -8,6 +8,7 @@ from typing import Any
 
 from zoomkv.adapters.errors import AdapterError, AdapterNotFoundError
 from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.locks import lock_beside
 from zoomkv.models.registry import same_base_name
 
 
@@ -23,16 +24,20 @@ def check_scores_base(scores: dict[str, Any], base_name: str | None) -> None:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, scores: dict[str, Any] | None = None,
                       budget: str | int | float | None = None, overwrite: bool = False,
-                      license: str | None = None) -> Path:
+                      license: str | None = None, stamp_identity: bool = False) -> Path:
     """Checkpoint → adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``).
-    Scores measured on another base model than the adapter's are refused."""
+    Scores measured on another base model than the adapter's are refused. ``stamp_identity``: weights that
+    record no identity are taken as their config describes them and written with it."""
     if not Path(checkpoint).is_dir():
         raise AdapterNotFoundError(f"checkpoint folder not found: {checkpoint}")
-    adapter = ZoomAdapter.from_pretrained(checkpoint, local_files_only=True)
+    adapter = ZoomAdapter.from_pretrained(checkpoint, local_files_only=True, unrecorded_identity_ok=stamp_identity)
     if scores:
         check_scores_base(scores, adapter.config.base_model.get("name"))
     if budget is not None:
         adapter.config = dataclasses.replace(adapter.config, budget=budget)
-    out = adapter.save_pretrained(out, scores=scores, overwrite=overwrite, license=license)
-    ZoomAdapter.from_pretrained(out)  # read back what was written: an export that cannot load is a bug
+    # One writer per target: a second export of it meanwhile would find the first one's staging as "an
+    # interrupted export" and replace it. Beside the target: the folder itself is swapped by a rename.
+    with lock_beside(out, "export", "--out"):
+        out = adapter.save_pretrained(out, scores=scores, overwrite=overwrite, license=license)
+        ZoomAdapter.from_pretrained(out)  # read back what was written: an export that cannot load is a bug
     return out

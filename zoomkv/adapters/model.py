@@ -186,10 +186,12 @@ class ZoomAdapter:
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
                         token: str | bool | None = None, local_files_only: bool | None = None,
-                        model: torch.nn.Module | None = None) -> ZoomAdapter:
+                        model: torch.nn.Module | None = None, unrecorded_identity_ok: bool = False) -> ZoomAdapter:
         """Load from an adapter folder, a training checkpoint folder (``checkpoints/step_N``) or a Hub id
         (through the local Hub cache; offline: only the cache). With ``model``, also check the adapter fits it.
-        The one loader: ``--adapter``, ``zoomkv export``, ``init_adapter`` and PEFT all come through here."""
+        The one loader: ``--adapter``, ``zoomkv export``, ``init_adapter`` and PEFT all come through here.
+        ``unrecorded_identity_ok``: weights that record no identity load on the config's word (``zoomkv export
+        --stamp-identity``, which writes them again with one); otherwise they are refused."""
         local = Path(name_or_path).expanduser() if isinstance(name_or_path, str | Path) else None
         if local is not None and local.is_dir() and is_checkpoint(local):
             meta, shape, tensors = read_checkpoint(local)
@@ -198,7 +200,7 @@ class ZoomAdapter:
             load_into(modules, tensors, source=str(local / STATE_NAME))
             check_identity(read_identity(local / STATE_NAME), weights_identity(meta["method"], meta["hyper"],
                                                                                 meta["base_model"]),
-                           str(local / STATE_NAME), str(local / META_NAME))
+                           str(local / STATE_NAME), str(local / META_NAME), unrecorded_ok=unrecorded_identity_ok)
             adapter = cls.from_modules(modules, meta["method"], meta["hyper"], shape=shape,
                                        fingerprint=meta["base_model"], budget=meta.get("budget"))
         else:
@@ -208,7 +210,7 @@ class ZoomAdapter:
             adapter = cls.from_config_and_tensors(config, tensors, source=str(folder / WEIGHTS_NAME))
             # after the config's own checks (sizes, names): then whether the weights are this config's at all
             check_identity(read_identity(folder / WEIGHTS_NAME), config.weights_identity(), str(folder / WEIGHTS_NAME),
-                           str(folder / CONFIG_NAME))
+                           str(folder / CONFIG_NAME), unrecorded_ok=unrecorded_identity_ok)
         if model is not None:
             adapter.check_base(model)
         return adapter

@@ -78,6 +78,7 @@ from zoomkv.adapters.config import (
     PEFT_WEIGHTS_PREFIX,
     WEIGHTS_NAME,
     ZoomAdapterConfig,
+    read_json_file,
 )
 from zoomkv.adapters.errors import (
     AdapterError,
@@ -88,7 +89,7 @@ from zoomkv.adapters.errors import (
     BaseModelMismatchError,
 )
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules, cache_from_adapter, fingerprint_diff
-from zoomkv.adapters.weights import read_weights, sha256
+from zoomkv.adapters.weights import read_weights, sha256, stamp_identity
 from zoomkv.atomic import write_file_atomically
 from zoomkv.compat import cache_kwarg, generate_cache_kwargs
 from zoomkv.models.registry import hub_name
@@ -175,6 +176,9 @@ class ZoomKVPeftConfig(PeftConfig):
         as ``zoomkv export`` does, so every loader can verify them."""
         weights = Path(save_directory) / WEIGHTS_NAME
         if weights.is_file():
+            # PEFT's file records no identity: stamped with this config's, as zoomkv's own exports are, so every
+            # loader can tell these weights are the ones this config describes
+            stamp_identity(weights, self.to_zoom_config().weights_identity())
             self.weights_sha256 = sha256(weights.read_bytes())
         # The one name of the base model, as `zoomkv export` writes it (the Hub id of a registered model), not
         # the folder PEFT found in the model's name_or_path.
@@ -219,6 +223,8 @@ class ZoomKVPeftConfig(PeftConfig):
         if not weights.is_file():
             raise AdapterNotFoundError(f"{weights.parent}: no {WEIGHTS_NAME} (pickled adapter_model.bin files are "
                                        "never loaded)")
+        if (weights.parent / CONFIG_NAME).is_file():  # PEFT's reader keeps the last of a key given twice
+            read_json_file(weights.parent / CONFIG_NAME)
         tensors = read_weights(weights, config.weights_sha256, recorded_in=f"{weights.parent / CONFIG_NAME}",
                                identity=config.to_zoom_config().weights_identity())
         config._zoomkv_verified = _plain_keys(tensors)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import struct
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from zoomkv.adapters.errors import (
     AdapterShapeError,
     AdapterWeightsError,
 )
+from zoomkv.atomic import write_file_atomically
 from zoomkv.models.registry import same_base_name
 from zoomkv.protocol.shape import fingerprint_diff
 
@@ -90,12 +92,24 @@ def read_identity(path: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def check_identity(recorded: dict[str, Any] | None, expected: dict[str, Any], source: str, described_by: str) -> None:
+STAMP_FLAG = "--stamp-identity"  # zoomkv export's flag that re-exports weights recording no identity
+
+
+def check_identity(recorded: dict[str, Any] | None, expected: dict[str, Any], source: str, described_by: str, *,
+                   unrecorded_ok: bool = False) -> None:
     """Refuse weights that record another method, other hyper-parameters or another base model than the config
     (or checkpoint meta) beside them: another adapter's weights with the checksum recomputed. Weights that
-    record none (older exports, PEFT's own save) are checked by names and shapes alone."""
+    record none are older than any release (or were written by another tool): names and shapes alone would
+    let an edited config (``recent`` 8 → 16, checksum recomputed) misdescribe them, so they are refused with
+    the command that re-exports them, which alone passes ``unrecorded_ok`` (the user vouches for the config)."""
     if recorded is None:
-        return
+        if unrecorded_ok:
+            return
+        folder = Path(source).parent
+        again = f"zoomkv export {shlex.quote(str(folder))} --out {shlex.quote(str(folder) + '-stamped')} {STAMP_FLAG}"
+        raise AdapterWeightsError(
+            f"{source}: the weights record no identity (the method, hyper-parameters and base model they were "
+            f"saved for), so nothing shows that {described_by} describes them; if it does, re-export them: {again}")
     differs = []
     if recorded.get("method") != expected["method"]:
         differs.append(f"method {recorded.get('method')!r} vs {expected['method']!r}")
@@ -118,6 +132,14 @@ def check_identity(recorded: dict[str, Any] | None, expected: dict[str, Any], so
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def stamp_identity(path: Path, identity: dict[str, Any]) -> None:
+    """Rewrite a weights file another writer made (PEFT's ``save_pretrained``) with ``identity`` in its header,
+    as zoomkv's own exports have it: the same tensors, all or nothing."""
+    tensors = st_load(path.read_bytes())
+    data = tensors_to_bytes(tensors, identity)
+    write_file_atomically(path, lambda tmp: tmp.write_bytes(data))
 
 
 def read_weights(path: str | Path, expected_sha256: str | None, *, recorded_in: str = "its config",

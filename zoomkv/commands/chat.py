@@ -39,6 +39,21 @@ def memory_line(conversation) -> str:
             f"host {_mib(r.host_bytes)} ({r.host_bytes / full:.1%})]")
 
 
+def _read_line() -> str:
+    """One line of standard input, UTF-8 text only: the rule --context-file follows. A stream that reads with
+    ``surrogateescape`` (Python's own stdin under a C or POSIX locale) hands undecodable bytes over as lone
+    surrogates instead of failing: refused the same way, never answered with them replaced."""
+    try:
+        line = sys.stdin.readline()
+    except UnicodeDecodeError as err:
+        raise ZoomKVError(f"the input is not UTF-8 text ({err.reason} at byte {err.start} of a line)") from None
+    bad = next((i for i, c in enumerate(line) if "\udc80" <= c <= "\udcff"), None)
+    if bad is not None:
+        raise ZoomKVError(f"the input is not UTF-8 text (byte 0x{ord(line[bad]) - 0xDC00:02x} at character {bad} "
+                          "of a line)")
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     from zoomkv.conversation import Conversation
     from zoomkv.models import load_model, parse_dtype, resolve_device
@@ -57,11 +72,7 @@ def run(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print("> ", end="", flush=True)
-        try:
-            line = sys.stdin.readline()
-        except UnicodeDecodeError as err:
-            raise ZoomKVError(f"the input is not UTF-8 text ({err.reason} at byte {err.start} of a line)") from None
-        line = line.encode("utf-8", "replace").decode("utf-8")  # undecodable bytes read as surrogates
+        line = _read_line()
         if not line or line.strip() in ("/quit", "/exit"):
             break
         question = line.strip()

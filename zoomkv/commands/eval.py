@@ -38,6 +38,8 @@ from zoomkv.errors import ZoomKVError
 
 log = logging.getLogger(__name__)
 
+DEFAULT_LENGTH = "4096"
+
 
 def _split(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
@@ -65,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from zoomkv.eval.rows import check_output_folder
 
     check_output_folder(args.out)  # a file in the way or a read-only place: refused before the model loads
-    lengths = _ints(args.length, "--length")
+    lengths = _ints(args.length or DEFAULT_LENGTH, "--length")
     if not lengths:
         raise ZoomKVError("--length needs at least one token count")
     tasks = _split(args.tasks)
@@ -73,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         tasks = ["niah_single_1"]
     return EvalConfig(
         model=args.model, out=args.out, methods=_split(args.methods), budgets=_split(args.budgets), tasks=tasks,
-        lengths=lengths, samples=args.samples, data=args.data or [], data_format=args.data_format,
+        lengths=lengths, lengths_defaulted=args.length is None, samples=args.samples, data=args.data or [], data_format=args.data_format,
         haystack=args.haystack, grid_lengths=_ints(args.grid_lengths, "--grid-lengths"),
         grid_depths=_floats(args.grid_depths, "--grid-depths"), method_args=parse_run_method_args(args.method_args),
         adapters=[a for group in args.adapter or [] for a in _split(group)], tail_summary=args.tail_summary,
@@ -145,7 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registered name, hub id or local folder")
     add_run_arguments(parser, several=True, methods="full", budgets="")
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (see --list-tasks)")
-    parser.add_argument("--length", default="4096", help="target prompt length(s) in tokens, comma-separated")
+    parser.add_argument("--length", default=None,
+                        help=f"target prompt length(s) in tokens, comma-separated (default {DEFAULT_LENGTH}); --data "
+                             "records longer than that are cut in the middle to fit, and a warning says how many")
     parser.add_argument("--samples", type=int_option(1, 1_000_000), default=4, help="samples per task and length (and grid cell)")
     parser.add_argument("--data", action="append", metavar="[NAME=]SOURCE",
                         help="task records from a .jsonl/.json/.parquet/.csv file, a saved dataset folder or a Hub "

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from zoomkv.adapters.weights import STAMP_FLAG
 from zoomkv.errors import ZoomKVError
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--license", default=None, metavar="ID",
                         help="the card's licence, a Hub licence id such as apache-2.0 or mit (default: the registered "
                              "base model's licence, else unknown)")
+    parser.add_argument(STAMP_FLAG, action="store_true",
+                        help="for weights that record no identity (the method, hyper-parameters and base model they "
+                             "were saved for: exports older than any release): take them as the config beside them "
+                             "says, and write the adapter with that identity recorded")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing adapter folder (its adapter files only: other files in it are "
                              "kept); a folder that is not an adapter is never replaced")
@@ -68,6 +73,6 @@ def run(args: argparse.Namespace) -> int:
                           f"checkpoints/{checkpoint.resolve().name})")
     out = Path(args.out) if args.out is not None else Path("checkpoints") / checkpoint.resolve().name
     folder = export_checkpoint(checkpoint, out, scores=scores, budget=_budget(args.budget), overwrite=args.overwrite,
-                               license=args.license)
+                               license=args.license, stamp_identity=args.stamp_identity)
     log.info("exported adapter to %s", folder)
     return 0

@@ -50,6 +50,8 @@ class DataTask(Protocol):
 
     def build(self, fmt: PromptFormat, length: int, index: int, *, model_max: int, seed: int = 0) -> Sample: ...
 
+    def records_cut(self, fmt: PromptFormat, length: int, count: int, *, model_max: int) -> int: ...
+
 
 def detect_format(path: Path | str, line: int, obj: dict[str, Any]) -> str:
     if "prompt" in obj:

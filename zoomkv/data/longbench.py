@@ -108,19 +108,40 @@ class Record:
     line: int = 0
 
 
+def cut_characters(text: str, most: int) -> str:
+    """``text`` with its middle cut so at most ``most`` characters are left (its start and its end kept)."""
+    if len(text) <= most:
+        return text
+    half = most // 2
+    return text[:half] + text[len(text) - (most - half):]
+
+
+def character_bound(fmt: PromptFormat, limit: int) -> int:
+    """The most characters ``limit`` tokens can hold (a few tokens over, for the seam of a cut)."""
+    return (limit + 16) * fmt.chars_per_token
+
+
 def middle_truncate(fmt: PromptFormat, rec: Record, limit: int, what: str) -> tuple[str, bool]:
-    """``rec.context`` cut in the middle so the whole rendered prompt fits in ``limit`` tokens."""
+    """``rec.context`` cut in the middle so the whole rendered prompt fits in ``limit`` tokens. Cut by characters
+    first, to what ``limit`` tokens can hold at most: the tokenizer never sees more than that (a 100 MB record
+    made it allocate gigabytes and abort), and the halves it keeps are the ones the token cut keeps."""
     def size(context: str) -> int:
         return fmt.measure(rec.head + context + rec.tail, rec.answer_prefix, rec.chat)
 
-    total = size(rec.context)
+    bound = character_bound(fmt, limit)
+    framing = len(rec.head) + len(rec.tail) + len(rec.answer_prefix)
+    if framing > bound:  # more characters than limit tokens can hold: over the limit, untokenized
+        raise ZoomKVError(f"{what}: its instruction and question alone ({framing:,} characters) are over the "
+                          f"limit of {limit} tokens")
+    context = cut_characters(rec.context, bound)
+    total = size(context)
     if total <= limit:
-        return rec.context, False
+        return context, context != rec.context
     overhead = size("")
     if overhead >= limit:
         raise ZoomKVError(f"{what}: its instruction and question alone take {overhead} tokens, over the "
                           f"limit of {limit}")
-    ids = fmt.tokenizer(rec.context, add_special_tokens=False)["input_ids"]
+    ids = fmt.tokenizer(context, add_special_tokens=False)["input_ids"]
     keep = max(0, len(ids) - (total - limit))
     for _ in range(8):  # re-tokenising at the cut can merge differently; shrink until it fits
         half = keep // 2
@@ -141,6 +162,18 @@ class LongBenchTask:
     @property
     def size(self) -> int:
         return len(self.records)
+
+    def records_cut(self, fmt: PromptFormat, length: int, count: int, *, model_max: int) -> int:
+        """How many of the first ``count`` records ``build`` cuts at ``length`` (each measured once; a record
+        longer than the tokens could hold is counted without being tokenized)."""
+        cut = 0
+        for rec in self.records[:count]:
+            limit = min(length, model_max - rec.max_new_tokens)
+            whole = rec.head + rec.context + rec.tail
+            if len(whole) + len(rec.answer_prefix) > character_bound(fmt, limit) or \
+                    fmt.measure(whole, rec.answer_prefix, rec.chat) > limit:
+                cut += 1
+        return cut
 
     def build(self, fmt: PromptFormat, length: int, index: int, *, model_max: int, seed: int = 0) -> Sample:
         rec = self.records[index]

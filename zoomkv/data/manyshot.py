@@ -68,6 +68,10 @@ class ManyShotTask:
         random.Random(f"{seed}:{self.name}").shuffle(order)
         return order
 
+    def records_cut(self, fmt: PromptFormat, length: int, count: int, *, model_max: int) -> int:
+        """None: a many-shot prompt takes as many whole worked examples as the length holds, and cuts none."""
+        return 0
+
     def build(self, fmt: PromptFormat, length: int, index: int, *, model_max: int, seed: int = 0) -> Sample:
         order = self._order(seed)
         test = self.problems[order[index]]

@@ -3,6 +3,7 @@ search that sizes a synthetic context to a target token length (``fit_units``)."
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,10 @@ class Sample:
     follow_ups: list[Turn] = field(default_factory=list)
 
 
+# a floor for tokenizers that cannot list their vocabulary: a token of more characters than this is rare
+MIN_CHARS_PER_TOKEN = 32
+
+
 class PromptFormat:
     """Turns (prompt, answer prefix) into the exact text the model reads, and counts its tokens.
 
@@ -65,6 +70,17 @@ class PromptFormat:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.chat = self.has_template if chat is None else (chat and self.has_template)
+
+    @functools.cached_property
+    def chars_per_token(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry, whose text, byte-level or
+        sentencepiece, is never shorter than what it decodes to): ``n`` tokens cover at most ``n *`` this many
+        characters, so a text can be cut to that many before it is tokenized (a 100 MB record is not)."""
+        try:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=0)
+        except (AttributeError, TypeError, NotImplementedError):
+            longest = 0
+        return max(longest, MIN_CHARS_PER_TOKEN)
 
     def uses_chat(self, chat: bool | None = None) -> bool:
         """Whether a prompt is wrapped: a sample's own setting (``chat``) wins over the run's."""

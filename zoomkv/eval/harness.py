@@ -29,6 +29,7 @@ from zoomkv.eval.rows import PART_GLOB, RowStore, check_eval_folder, row_key
 from zoomkv.eval.shards import Processes, batch_of, join_processes
 from zoomkv.eval.tasks import GRID_TASK, SYNTHETIC_TASKS, TaskBuilder, check_task_names, row_task
 from zoomkv.generation import GenerationResult, generate_methods, generate_turns
+from zoomkv.locks import acquire_on_main, lock_inside
 from zoomkv.runspec import RunSpec, parse_runs
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class EvalConfig:
     budgets: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     lengths: list[int] = field(default_factory=lambda: [4096])
+    lengths_defaulted: bool = False  # the command line gave no --length: records cut to the default are warned of
     samples: int = 4
     data: list[str] = field(default_factory=list)
     data_format: str = "auto"
@@ -274,11 +276,22 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
         torch.set_num_threads(cfg.threads)
     if cfg.report_only and cfg.overwrite:
         raise ZoomKVError("--report-only reports the rows in --out; --overwrite would discard them")
-    out = Path(cfg.out)
+    out = Path(cfg.out).expanduser()
     if cfg.report_only and not ((out / "rows.jsonl").is_file() or any(out.glob(PART_GLOB))):
         raise ZoomKVError(f"--report-only: no rows in {cfg.out} to report")  # before RowStore makes the folder
     check_eval_folder(out, report_only=cfg.report_only)  # a folder of other files, or a file of theirs in the way
     procs = join_processes(cfg.device)
+    # One writer per --out: two evaluations of one folder would each append every row to rows.jsonl
+    lock = lock_inside(out, "eval", "--out")
+    acquire_on_main(lock, procs.main)
+    try:
+        return _run_locked(cfg, prep, procs, model, tokenizer)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: EvalConfig, prep: Prepared, procs: Processes, model: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """``run_eval`` once ``--out`` is this evaluation's alone."""
     store = RowStore(cfg.out, part=procs.rank if procs.world > 1 else None)
     if not cfg.overwrite:
         store.check_identity(_identity(cfg, prep, cfg.chat), resuming=not cfg.report_only)  # every process alike
@@ -331,6 +344,8 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
     identity = _identity(cfg, prep, fmt.chat)
     store.check_identity(identity)  # the chat setting, now that the tokenizer says what auto means
     builder = TaskBuilder(fmt, seed=cfg.seed, model_max=model_max, essays=prep.essays, data=prep.data)
+    if procs.main:
+        say_records_cut(cfg, prep, fmt, model_max)
     # Build each group's first sample before any decoding (every process, every group: a failure is everyone's
     # at once) and before anything is written: a length too short for a task's template, a record too long for
     # the model or without the context the protocol compresses fails now, not after an hour of other tasks, and
@@ -382,6 +397,27 @@ def _run_batches(cfg: EvalConfig, prep: Prepared, procs: Processes, store: RowSt
     finally:
         bar.close()
     return model, tokenizer, fmt.chat
+
+
+def say_records_cut(cfg: EvalConfig, prep: Prepared, fmt: PromptFormat, model_max: int) -> None:
+    """How many of each data task's records are cut in the middle to the length, and to what: a warning when
+    the length is the default nobody chose (a file of 8K prompts scored at 4K would be read as a method's
+    failure), a note when --length asked for it."""
+    tasks = {t.name: t for t in prep.data}
+    for name, length, _, count in prep.groups:
+        task = tasks.get(name)
+        cut = task.records_cut(fmt, length, count, model_max=model_max) if task is not None else 0
+        if not cut:
+            continue
+        if cfg.lengths_defaulted and length < model_max:
+            log.warning("--data %s: %d of %d records are longer than %d tokens (--length's default) and are cut in "
+                        "the middle to fit; give --length up to %d (the model's limit) to keep more of them",
+                        name, cut, count, length, model_max)
+        elif cfg.lengths_defaulted:
+            log.warning("--data %s: %d of %d records are longer than the model reads (%d tokens, less each record's "
+                        "answer) and are cut in the middle to fit", name, cut, count, model_max)
+        else:
+            log.info("--data %s: %d of %d records are cut in the middle to fit --length %d", name, cut, count, length)
 
 
 def _write_report(cfg: EvalConfig, prep: Prepared, store: RowStore, chat: bool | None, processes: int) -> None:

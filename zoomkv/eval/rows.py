@@ -16,6 +16,7 @@ from typing import Any
 
 from zoomkv.atomic import read_json_object
 from zoomkv.errors import ZoomKVError
+from zoomkv.locks import LOCK_NAME
 
 # CSV column order; rows.jsonl holds the same fields.
 FIELDS = (
@@ -130,7 +131,7 @@ def check_eval_folder(out: str | Path, *, report_only: bool = False) -> None:
     ``run.json``), or (``--report-only``) rows put there to be reported; and none of the report's files that
     would be replaced there is a file the run did not write. Every refusal is one ``ZoomKVError`` line."""
     out = Path(out).expanduser()
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):  # a writer's lock alone: empty
         return
     record = _run_record(out)
     if record is None and (out / RUN_FILE).exists():

@@ -9,6 +9,8 @@ memory report), small Python values into ``memory.meta``.
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -131,6 +133,56 @@ def value_fits(hint: Any, value: Any) -> bool:
     return isinstance(value, hint)
 
 
+def _allowed(hint: Any) -> tuple[Any, ...]:
+    """The types a field's hint lets through (``float | None`` → float, NoneType)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+# An exponent past this is no count anything runs to; int() of it would build a number of that many digits.
+_MAX_EXPONENT = 4000
+
+
+def coerce_number(hint: Any, value: Any, name: str) -> Any:
+    """``value`` as the number a field of type ``hint`` takes, when it came as text that is one: PyYAML reads
+    YAML 1.1, where ``1e-3`` (an exponent without a dot) is a string, so ``lr: 1e-3`` in a recipe and
+    ``lr=1e-3`` on a command line arrive as ``'1e-3'``. A float field takes what Python's ``float()`` takes,
+    finite; a whole-number field a whole number however written (``1e6``). A field that takes text keeps
+    it; anything else is returned as it is, for the type check to name. ``name`` says what the value is
+    for in the one-line error (``recipe key 'lr'``)."""
+    if not isinstance(value, str) or value_fits(hint, value):
+        return value
+    allowed = _allowed(hint)
+    text = value.strip()
+    if float in allowed:
+        try:
+            number = float(text)
+        except ValueError:
+            return value
+        if not math.isfinite(number):  # 1e400 is out of range, not of the wrong type
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        return number
+    if int in allowed:
+        try:
+            exact = decimal.Decimal(text)
+        except decimal.InvalidOperation:
+            return value
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            return value
+        if exact.adjusted() > _MAX_EXPONENT:
+            raise ConfigError(f"{name} must be a whole number of at most {_MAX_EXPONENT} digits, got {value!r}")
+        return int(exact)
+    return value
+
+
+def coerce_hyperparameters(config_class: type, values: dict[str, Any], method: str) -> dict[str, Any]:
+    """``values`` with numbers given as text (``--method-arg tau=1e-3``) made numbers, field by field."""
+    hints = typing.get_type_hints(config_class)
+    return {k: coerce_number(hints[k], v, f"hyper-parameter {k!r} of method {method!r}") if k in hints else v
+            for k, v in values.items()}
+
+
 def check_hyperparameters(config_class: type, values: dict[str, Any], method: str) -> None:
     """A hyper-parameter of the wrong type fails here, naming it, instead of deep inside a step."""
     hints = typing.get_type_hints(config_class)
@@ -181,6 +233,7 @@ class KVMethod:
         if config is None:
             config = self.make_config(**overrides)
         elif overrides:
+            overrides = coerce_hyperparameters(type(config), overrides, self.name)
             check_hyperparameters(type(config), overrides, self.name)
             config = dataclasses.replace(config, **overrides)
         self.config = config
@@ -193,6 +246,7 @@ class KVMethod:
         unknown = sorted(set(hyperparameters) - fields)
         if unknown:
             raise ConfigError(f"unknown hyper-parameter(s) {unknown} for method {cls.name!r}; valid: {sorted(fields)}")
+        hyperparameters = coerce_hyperparameters(cls.config_class, hyperparameters, cls.name)
         check_hyperparameters(cls.config_class, hyperparameters, cls.name)
         return cls.config_class(**hyperparameters)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from zoomkv.adapters.files import INCOMPLETE_MARKER, is_adapter_folder, is_incom
 from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
+from zoomkv.locks import LOCK_NAME
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.train.config import TrainConfig
 from zoomkv.train.teacher import check_cache_folder, is_cache_folder
@@ -65,10 +67,9 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
     trained into afresh (that would overwrite some steps and leave others for a later ``resume=latest``).
     Returns what ``overwrite`` removes (``start_over``): the earlier run's step folders and adapter."""
     run = cfg.run_dir
-    if (run.exists() or run.is_symlink()) and not run.is_dir():
-        raise ConfigError(f"run folder {run} (output_dir/run_name) is a file; choose another run_name")
+    check_run_path(cfg)
     check_cache_folder(cfg.cache_dir)
-    if not run.is_dir() or not any(run.iterdir()):
+    if not run.is_dir() or not any(p.name != LOCK_NAME for p in run.iterdir()):  # this run's lock alone: empty
         return []
     if not is_run_folder(run):
         raise ConfigError(f"run folder {run} (output_dir/run_name) holds files and no zoomkv run; choose another "
@@ -86,6 +87,13 @@ def check_run_folder(cfg: TrainConfig) -> list[Path]:
                           "another run_name, or start it over with overwrite=true (removes its checkpoints and "
                           "adapter)")
     return ours if cfg.overwrite else []
+
+
+def check_run_path(cfg: TrainConfig) -> None:
+    """The run folder's path is not a file's (before its lock is made in it)."""
+    run = cfg.run_dir
+    if (run.exists() or run.is_symlink()) and not run.is_dir():
+        raise ConfigError(f"run folder {run} (output_dir/run_name) is a file; choose another run_name")
 
 
 def start_over(cfg: TrainConfig, earlier: list[Path]) -> None:
@@ -110,6 +118,58 @@ def claim_run_folder(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_MARK).is_file():
         (run_dir / RUN_MARK).write_text("zoomkv training run\n", encoding="utf-8")
+
+
+# A checkpoint's files beside its tensors (meta, trainer state, recipe, DONE), rounded up generously
+CHECKPOINT_OVERHEAD = 64 * 1024
+
+
+def saves_left(cfg: TrainConfig, start_step: int = 0) -> int:
+    """How many checkpoints the run writes from ``start_step`` on: every ``save_every`` steps and the last."""
+    every = cfg.save_every
+    return cfg.steps // every - start_step // every + (1 if cfg.steps % every and cfg.steps > start_step else 0)
+
+
+def checkpoint_bytes(adapter: torch.nn.Module) -> int:
+    """What one checkpoint of ``adapter`` takes on disk: its tensors, AdamW's two moments per trainable value
+    (float32), the small files."""
+    state = sum(t.numel() * t.element_size() for t in adapter.state_dict().values())
+    moments = sum(2 * p.numel() * 4 for p in adapter.parameters() if p.requires_grad)
+    return state + moments + CHECKPOINT_OVERHEAD
+
+
+def check_checkpoint_space(cfg: TrainConfig, adapter: torch.nn.Module, start_step: int = 0) -> None:
+    """Before the first step: every checkpoint the run keeps (and its adapter) fits in the space left where the
+    run folder is. A run that would fill the disk is refused now, not after hours and thousands of folders."""
+    per = checkpoint_bytes(adapter)
+    count = saves_left(cfg, start_step)
+    need = count * per + per  # the adapter folder at the end is about one more
+    where = cfg.run_dir
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ConfigError(f"recipe keys 'steps'/'save_every': {count:,} checkpoints of {_size(per)} each "
+                          f"({_size(need)} with the adapter) would not fit in the {_size(free)} free in {where}; "
+                          "raise save_every, lower steps, or free some space")
+
+
+def _size(n: float) -> str:
+    units = ("bytes", "KB", "MB", "GB", "TB", "PB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} bytes" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def resume_step(folder: Path | None) -> int:
+    """The step a checkpoint to resume holds (0: none; a bad one is refused when it is read)."""
+    if folder is None:
+        return 0
+    try:
+        return int(json.loads((folder / TRAINER_NAME).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

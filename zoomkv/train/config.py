@@ -18,7 +18,7 @@ import yaml
 from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import parse_task_mix
 from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.protocol.method import value_fits
+from zoomkv.protocol.method import coerce_number, value_fits
 from zoomkv.protocol.registry import TRAINING, get_training
 from zoomkv.protocol.training import MethodTraining
 
@@ -101,10 +101,12 @@ class TrainConfig:
 
 
 FILE_KEYS = ("init_adapter",)
+MAX_STEPS = 10_000_000
 
 
 def _check_type(key: str, value: Any, hint: Any, choices: dict[str, tuple[Any, ...]]) -> Any:
     allowed = typing.get_args(hint) or (hint,)
+    value = coerce_number(hint, value, f"recipe key {key!r}")  # lr: 1e-3 arrives from YAML as the text '1e-3'
     if not value_fits(hint, value):
         names = " or ".join(a.__name__ for a in allowed)
         raise ConfigError(f"recipe key {key!r}: expected {names}, got {type(value).__name__} {value!r}")
@@ -218,6 +220,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     for key in ("steps", "num_samples", "queries_per_sample", "save_every", "log_every", "samples_per_step"):
         if getattr(cfg, key) < (0 if key == "steps" else 1):
             raise ConfigError(f"recipe key {key!r} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.steps > MAX_STEPS:  # steps: 1e30 would train (and checkpoint) without end
+        raise ConfigError(f"recipe key 'steps' must be at most {MAX_STEPS:,} (weeks of training at the fastest "
+                          f"this trainer steps: a longer run is a number mistyped), got {cfg.steps:,}")
     if cfg.samples_per_step > cfg.num_samples:  # a step of 1e9 micro-batches would run for ever
         raise ConfigError(f"recipe key 'samples_per_step' must be at most num_samples ({cfg.num_samples}: a step "
                           f"draws its samples from those), got {cfg.samples_per_step}")
@@ -262,7 +267,8 @@ def check_paths(cfg: TrainConfig, from_file: dict[str, Any]) -> None:
 # The range of each numeric generic key (the method's own keys are checked by its recipe class). A value
 # outside it (lr: .nan, a negative lr, budget: 0, threads: -2) is refused before any model loads.
 RANGES: dict[str, tuple[str, Any]] = {
-    "lr": ("a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+    # a step moves each weight by about lr: above 10 nothing trains, and lr: 1e3 is a slip for 1e-3
+    "lr": ("a finite number > 0 and at most 10", lambda v: math.isfinite(v) and 0 < v <= 10),
     "weight_decay": ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
     "grad_clip": ("a finite number >= 0 (0: no clipping)", lambda v: math.isfinite(v) and v >= 0),
     "max_trainable_fraction": ("a number in (0, 1]", lambda v: 0 < v <= 1),

@@ -14,6 +14,7 @@ import torch
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.data.training import make_samples
 from zoomkv.errors import ConfigError
+from zoomkv.locks import lock_inside
 from zoomkv.protocol.registry import get_method
 from zoomkv.train.config import TrainConfig, load_corpus
 
@@ -84,11 +85,12 @@ def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"no trained adapter at {folder}: train the recipe first")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_model(cfg.model)
-    loaded = ZoomAdapter.from_pretrained(folder, local_files_only=True)
-    loaded.check_base(model)
-    scores = evaluate(model, tokenizer, cfg, loaded.modules)
-    write_eval(cfg, scores)
+    with lock_inside(cfg.run_dir, "train --eval-only", "run folder"):  # not while a run trains into it
+        model, tokenizer = load_model(cfg.model)
+        loaded = ZoomAdapter.from_pretrained(folder, local_files_only=True)
+        loaded.check_base(model)
+        scores = evaluate(model, tokenizer, cfg, loaded.modules)
+        write_eval(cfg, scores)
     return scores
 
 

@@ -35,15 +35,19 @@ from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.data.haystack import Haystack
 from zoomkv.data.training import curriculum_index, make_samples
 from zoomkv.errors import ConfigError
+from zoomkv.locks import acquire_on_main, lock_inside
 from zoomkv.logs import LOGGER_NAME, progress_shown
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
 from zoomkv.train import deepspeed_engine
 from zoomkv.train.checkpoints import (
+    check_checkpoint_space,
     check_resume,
     check_run_folder,
+    check_run_path,
     claim_run_folder,
     load_checkpoint_state,
     resume_folder,
+    resume_step,
     save_checkpoint,
     start_over,
 )
@@ -64,13 +68,26 @@ log = logging.getLogger(__name__)
 
 def train(cfg: TrainConfig) -> Path:
     """Run a recipe to its last step (or from the checkpoint ``resume`` names); returns the adapter folder."""
+    if cfg.model in KNOWN_CONFIGS:
+        raise ConfigError(f"{cfg.model!r} is only known by its config here (use --dry-run), not loadable")
+    check_run_path(cfg)
+    accelerator, tracking = start_accelerator(cfg)
+    # One writer per run folder: a second run of this run_name started meanwhile would train into the same
+    # checkpoints and adapter, and both would report success. Held by the main process until the run ends.
+    lock = lock_inside(cfg.run_dir, "train", "run folder")
+    acquire_on_main(lock, accelerator.is_main_process)
+    try:
+        return _train(cfg, accelerator, tracking)
+    finally:
+        lock.release()
+
+
+def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
+    """``train`` once the run folder is this run's alone."""
     from tqdm.auto import tqdm
 
     from zoomkv.models import load_model
 
-    if cfg.model in KNOWN_CONFIGS:
-        raise ConfigError(f"{cfg.model!r} is only known by its config here (use --dry-run), not loadable")
-    accelerator, tracking = start_accelerator(cfg)
     corpus = load_corpus(cfg)  # a bad source fails here, before the model loads
     earlier = check_run_folder(cfg)  # a new or empty folder, or a run of ours resumed or started over
     resume = resume_folder(cfg)  # checked against the recipe's method and model before the model loads
@@ -83,6 +100,7 @@ def train(cfg: TrainConfig) -> Path:
     adapter = build_adapter(cfg, shape)
     frozen = freeze_parameters(adapter, cfg.freeze)  # an unknown name fails here, before the teacher signals
     check_fraction(adapter, shape, cfg, log=log.info)
+    check_checkpoint_space(cfg, adapter, resume_step(resume))  # what the run will write, before it starts
     if frozen:
         log.info("held at their start: %s", ", ".join(frozen))
     log.info("%d process(es), %s, %s", accelerator.num_processes, engine_name(accelerator), accelerator.device)
