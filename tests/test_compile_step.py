@@ -1,0 +1,40 @@
+"""A decode step's selection compiles as one graph: no graph break, no value read back to Python.
+
+What lets a GPU step be captured in a CUDA graph (``torch.compile(mode="reduce-overhead")``) is that the
+selection is a fixed sequence of tensor ops with shapes Python already knows. ``torch.compile(fullgraph=True)``
+fails on any ``.item()``, data-dependent shape or untraceable call, so compiling each recallable method's
+``select`` on the CPU (its torch path: what a GPU runs) holds that line, and the compiled step picks what the eager
+one picks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import padded_batch
+from zoomkv import ZoomCache, native
+from zoomkv.memory import LayerMemory
+from zoomkv.models import load_model
+
+
+@pytest.mark.parametrize("name", ["quest", "oracle_topk", pytest.param("sekv", marks=pytest.mark.heavy)])
+def test_a_decode_steps_selection_compiles_as_one_graph(name):
+    torch._dynamo.reset()
+    model, _ = load_model("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 61))
+    cache = ZoomCache(model, name, 40)
+    with torch.no_grad(), native.torch_path():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        layer = next(layer for layer in cache.layers if isinstance(layer, LayerMemory) and layer.compressed)
+        query = torch.randn(2, model.config.num_attention_heads, 1, layer.key_dim,
+                            generator=torch.Generator().manual_seed(0))
+
+        def select(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            sel = cache.method.select(layer, q)
+            return sel.keys.clone(), sel.values.clone()
+
+        compiled = torch.compile(select, fullgraph=True, dynamic=False)(query)  # raises on a graph break
+        eager = select(query)
+    for got, ref in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
