@@ -139,18 +139,10 @@ def test_bfloat16_model_runs_every_recallable_method():
 # blocking copy between host and device.
 # The recallable methods keep every row in pinned host memory: a step writes its new row there by an
 # asynchronous copy and reads the rows it recalls from the GPU (zoomkv.kernels.gather_rows), so nothing waits.
-# ClusterKV still picks its clusters' members on the host (its scores and cluster tables go to the CPU).
-HOST_SELECTION = {"clusterkv"}
+# Every index a step ranks and addresses (ClusterKV's cluster tables too) is on the device.
 
 
-def _sync_params():
-    for name in sorted(set(METHODS) - KNOWN_SYNCING):
-        marks = [pytest.mark.xfail(strict=True, raises=RuntimeError, reason="selects on the host")] \
-            if name in HOST_SELECTION else []
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", list(_sync_params()))
+@pytest.mark.parametrize("name", sorted(set(METHODS) - KNOWN_SYNCING))
 def test_decode_steps_never_synchronise_the_device(tiny, name, tmp_path):
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
@@ -173,19 +165,22 @@ def test_decode_steps_never_synchronise_the_device(tiny, name, tmp_path):
     assert torch.isfinite(out.logits).any()
 
 
-def test_the_audit_names_the_host_selection_copies_on_the_device(tiny):
-    """On a GPU the CPU audit also sees tensors cross devices: clusterkv's scores go to the host."""
+def test_the_audit_names_a_host_copy_on_the_device(tiny):
+    """On a GPU the CPU audit also sees tensors cross devices: the torch path's recall (ZOOMKV_TRITON=0) moves
+    the indices to the host."""
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("both tiers are CPU memory without a GPU")
     ids, mask = _batch(tiny, lengths=(90, 61))
-    audits = audit_decode(tiny, ZoomCache(tiny, "clusterkv", 40), ids, mask, steps=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZOOMKV_TRITON", "0")
+        audits = audit_decode(tiny, ZoomCache(tiny, "quest", 40), ids, mask, steps=2)
     kinds = {e.kind for a in audits for e in a.events}
     assert "device-to-host copy" in kinds, kinds
 
 
 def test_the_recall_reads_nothing_back_in_the_audit(tiny):
     ids, mask = _batch(tiny, lengths=(90, 61))
-    for name in ("quest", "sekv", "oracle_topk"):
+    for name in ("quest", "sekv", "oracle_topk", "clusterkv"):
         audits = audit_decode(tiny, ZoomCache(tiny, name, 40), ids, mask, steps=3)
         assert all(a.clean for a in audits), (name, [str(e) for a in audits for e in a.events])
 

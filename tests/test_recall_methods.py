@@ -233,7 +233,7 @@ def test_clusterkv_sinks_are_the_first_real_tokens_and_padding_never_clusters():
     keys[1, :, :30] = 1000.0  # padding rows would drag any centroid they joined
     memory = make_layer(method, 40, keys)
     prefill(method, memory, keys, id_values(b, h, n, d), 40, valid=valid)
-    perm, sizes = memory.host_tier["perm"], memory.device_tier["cluster_sizes"]
+    perm, sizes = memory.device_tier["perm"], memory.device_tier["cluster_sizes"]
     assert sizes[0].sum(-1).tolist() == [n - 16] * h
     assert sizes[1].sum(-1).tolist() == [n - 30 - 16] * h
     clustered = perm[1, :, : n - 46]
@@ -282,7 +282,7 @@ def test_clusterkv_reclusters_generated_rows_and_recalls_them():
     assert meta["reclusters"] == 2 and meta["pending"] == 4  # clustered after 8 and 16 generated rows
     assert memory.device_tier["centroids"].shape[2] == clusters0 + 4  # 2 new clusters each time
     assert int(memory.device_tier["cluster_sizes"].sum(-1).max()) == 16 + 16
-    assert memory.host_tier["perm"].shape[-1] == n + 16
+    assert memory.device_tier["perm"].shape[-1] == n + 16
     # the needle (row n + 3) now sits in a decode cluster, off the device; a query for it recalls it
     query = torch.zeros(b, 2 * h, 1, d)
     query[..., 9] = 1.0

@@ -2,8 +2,9 @@
 
 Prefill: the first 16 real tokens of each sequence are attention sinks and stay resident on the device
 tier. The other prompt keys of each KV head are grouped by k-means with cosine similarity (about 80
-tokens per cluster, 20 iterations, evenly spaced seeds); the device tier keeps one centroid and one size
-per cluster, the host tier keeps every row and, per cluster, where its members are.
+tokens per cluster, 20 iterations, evenly spaced seeds); the device tier keeps one centroid, one size and the
+start of its members' run per cluster, and the members' row ids grouped by cluster (the index a step ranks,
+cuts and addresses on the device: on a GPU no step waits for the host); the host tier keeps every row.
 
 Decode: the clusters are ranked by ``q·μ`` and recalled whole, in that order, until the budget is
 reached; the cluster that straddles the budget is cut by its own members' scores ``q·k``, so exactly the
@@ -116,8 +117,8 @@ class ClusterKV(RecallableMethod):
         perm = found.labels.argsort(dim=-1, stable=True)
         memory.device_tier["centroids"] = found.centroids
         memory.device_tier["cluster_sizes"] = found.sizes
-        memory.host_tier["perm"] = memory.to_host(perm)
-        memory.host_tier["cluster_starts"] = memory.to_host(found.sizes.cumsum(-1) - found.sizes)
+        memory.device_tier["perm"] = perm
+        memory.device_tier["cluster_starts"] = found.sizes.cumsum(-1) - found.sizes
 
         clustered = int(found.sizes.sum(-1).max()) if found.sizes.numel() else 0
         largest = int(found.sizes.max()) if found.sizes.numel() else 0
@@ -172,10 +173,9 @@ class ClusterKV(RecallableMethod):
         slot_ok = None
         if recall > 0:
             rows, slot_ok = self._recall_index(memory, query, recall)
-            sel_k, sel_v = memory.host_tier["keys"].gather(rows), memory.host_tier["values"].gather(rows)
-            pinned = memory.pin_host
-            work_k[:, :, sinks:start].copy_(sel_k, non_blocking=pinned)
-            work_v[:, :, sinks:start].copy_(sel_v, non_blocking=pinned)
+            # into the buffer's recall region; pinned rows read by a GPU kernel (RowBuffer.gather)
+            memory.host_tier["keys"].gather(rows, out=work_k[:, :, sinks:start])
+            memory.host_tier["values"].gather(rows, out=work_v[:, :, sinks:start])
         # Empty recall slots are hidden by the bias, which is built whether or not any slot is empty (asking
         # would read a value back to the host); a zero bias leaves the softmax exactly as it is without one.
         sink_ok = memory.device_tier.get("sink_valid")
@@ -184,9 +184,9 @@ class ClusterKV(RecallableMethod):
             b, h = work_k.shape[:2]
             bias = torch.zeros(b, h, total, dtype=query.dtype, device=query.device)
             if sink_ok is not None:
-                bias[:, :, :sinks].masked_fill_(~sink_ok.to(query.device), float("-inf"))
+                bias[:, :, :sinks].masked_fill_(~sink_ok, float("-inf"))
             if slot_ok is not None:
-                bias[:, :, sinks:start].masked_fill_(~slot_ok.to(query.device), float("-inf"))
+                bias[:, :, sinks:start].masked_fill_(~slot_ok, float("-inf"))
         return Selection(work_k[:, :, :total], work_v[:, :, :total], bias)
 
     # -- internals --------------------------------------------------------------------------------------
@@ -196,11 +196,12 @@ class ClusterKV(RecallableMethod):
         centroids = memory.device_tier["centroids"]
         kv_heads, clusters = centroids.shape[1], centroids.shape[2]
         q = group_query(query, kv_heads).float()  # [b, h, g, d]
-        # Index arithmetic happens on the host, next to the rows it addresses; only C scores move.
-        score = torch.matmul(q, centroids.float().transpose(-1, -2)).sum(dim=2).cpu()  # [b, h, C]
-        sizes = memory.device_tier["cluster_sizes"].cpu()
-        starts = memory.host_tier["cluster_starts"]
-        perm = memory.host_tier["perm"]
+        # Index arithmetic on the device, where the scores are: nothing is read back to the host.
+        score = torch.matmul(q, centroids.float().transpose(-1, -2)).sum(dim=2)  # [b, h, C]
+        sizes = memory.device_tier["cluster_sizes"]
+        starts = memory.device_tier["cluster_starts"]
+        perm = memory.device_tier["perm"]
+        dev = score.device
         n, m = host_length(memory), perm.shape[-1]
 
         order = score.argsort(dim=-1, descending=True, stable=True)
@@ -208,7 +209,7 @@ class ClusterKV(RecallableMethod):
         cum = size_sorted.cumsum(-1)
         before = cum - size_sorted
         b, h = score.shape[:2]
-        slot = torch.arange(recall).expand(b, h, recall).contiguous()
+        slot = torch.arange(recall, device=dev).expand(b, h, recall).contiguous()
         ok = slot < cum[..., -1:]
         rank = torch.searchsorted(cum, slot, right=True).clamp_(max=clusters - 1)  # sorted cluster per slot
         within = slot - before.gather(-1, rank)
@@ -222,11 +223,11 @@ class ClusterKV(RecallableMethod):
         cluster = order.gather(-1, last)
         count = sizes.gather(-1, cluster) * cut  # members of the cut cluster, 0 where nothing is cut
         width = max(1, memory.meta["largest"])
-        member = torch.arange(width)
+        member = torch.arange(width, device=dev)
         member_pos = (starts.gather(-1, cluster) + member).clamp_(max=m - 1)  # [b, h, width]
         member_rows = perm.gather(-1, member_pos)
         member_k = memory.host_tier["keys"].gather(member_rows)
-        member_score = torch.matmul(q.to(member_k.device), member_k.float().transpose(-1, -2)).sum(dim=2)
+        member_score = torch.matmul(q, member_k.float().transpose(-1, -2)).sum(dim=2)
         member_score = member_score.masked_fill(member >= count, float("-inf"))
         ranked = member_pos.gather(-1, member_score.argsort(dim=-1, descending=True, stable=True))
         in_cut = cut & (rank == last)
@@ -248,11 +249,12 @@ class ClusterKV(RecallableMethod):
         # Every iteration runs (no convergence test, which would read the labels back to the host): once the
         # labels are stable each further iteration recomputes the same centroids, so the result is the same.
         found = cosine_kmeans(keys, None, num_clusters(pending, cfg.cluster_size), cfg.kmeans_iters, early_stop=False)
-        perm = memory.host_tier["perm"]
-        new_perm = memory.to_host(found.labels.argsort(dim=-1, stable=True) + first)
-        new_starts = memory.to_host(found.sizes.cumsum(-1) - found.sizes + perm.shape[-1])
-        memory.host_tier["perm"] = torch.cat([perm, new_perm], dim=-1)
-        memory.host_tier["cluster_starts"] = torch.cat([memory.host_tier["cluster_starts"], new_starts], dim=-1)
+        dev = memory.device_tier
+        perm = dev["perm"]
+        new_perm = found.labels.argsort(dim=-1, stable=True) + first
+        new_starts = found.sizes.cumsum(-1) - found.sizes + perm.shape[-1]
+        dev["perm"] = torch.cat([perm, new_perm], dim=-1)
+        dev["cluster_starts"] = torch.cat([dev["cluster_starts"], new_starts], dim=-1)
         memory.device_tier["centroids"] = torch.cat([memory.device_tier["centroids"], found.centroids], dim=2)
         memory.device_tier["cluster_sizes"] = torch.cat([memory.device_tier["cluster_sizes"], found.sizes], dim=-1)
         meta["clustered"] += pending  # every (batch, head) gains all of them: generated rows are never padding
