@@ -144,10 +144,21 @@ def test_bfloat16_model_runs_every_recallable_method():
 
 @pytest.mark.parametrize("name", sorted(set(METHODS) - KNOWN_SYNCING))
 def test_decode_steps_never_synchronise_the_device(tiny, name, tmp_path):
+    method = get_method(name, **method_kwargs(name, tiny, tmp_path))
+    _steps_without_a_wait(tiny, ZoomCache(tiny, method, max(method.min_budget(), 40) if method.uses_budget else None))
+
+
+@pytest.mark.parametrize("host_format", ["k8v4", "int4"])
+def test_a_coded_host_tier_never_synchronises_the_device(tiny, host_format):
+    """The quickstart adapter's host tier (keys at 8 bits, values at 4, rescored from the host keys): codes
+    gathered from pinned memory by the kernel and decoded on the GPU."""
+    method = get_method("sekv", rescore_from="host")
+    _steps_without_a_wait(tiny, ZoomCache(tiny, method, 40, kv_quant=host_format))
+
+
+def _steps_without_a_wait(tiny, cache: ZoomCache) -> None:
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
-    method = get_method(name, **method_kwargs(name, tiny, tmp_path))
-    cache = ZoomCache(tiny, method, max(method.min_budget(), 40) if method.uses_budget else None)
     ids, mask = _batch(tiny, lengths=(90, 61))
     with torch.no_grad():
         out = tiny(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from zoomkv.memory.quant import row_buffer
+from zoomkv.memory.quant import QuantizedRowBuffer, row_buffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
 HOST_ROOM = 256  # rows a GPU machine's pinned host buffers hold past the prompt
@@ -141,7 +141,10 @@ class LayerMemory(CacheLayerMixin):
         ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
         if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
-            return row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host)
+            coded = row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host)
+            if self.pin_host and type(coded) is QuantizedRowBuffer:  # room, as below (KIVI's re-lays its own)
+                coded.reserve(HOST_ROOM)
+            return coded
         if self.pin_host and tensor.is_cuda:
             # Room for the next rows, which a GPU step writes without waiting: growing copies on the host, after
             # waiting for the copies in flight (once per HOST_ROOM rows or ~3%, not per step).

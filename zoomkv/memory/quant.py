@@ -317,6 +317,12 @@ class QuantizedRowBuffer(RowBuffer):
         extra = [] if self.exact is None else [self.exact.data, self.outlier_idx]
         return [self.codes.data, self.scale.data, self.lo.data, *extra]
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more rows in every part (codes, scales, minimums, exact channels)."""
+        for part in (self.codes, self.scale, self.lo, self.exact):
+            if part is not None:
+                part.reserve(n)
+
     def append(self, rows: torch.Tensor) -> None:
         if self.exact is None and not self.pad and self._append_native(rows):
             self.length += rows.shape[2]
