@@ -6,15 +6,16 @@
 #
 #   bash scripts/cuda_check.sh [OUT_DIR] [PARTS]
 #
-# PARTS (default: all): a comma list of tests, long (32K tokens x batch 8, one-shot and chunked prefill: peak
-# device memory), profile (16K x 1 with phases and host syncs), small (the SmolLM2 shape at 8K, batch 4).
+# PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), profile (16K x 1 with phases and host
+# syncs), train (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16),
+# small (the SmolLM2 shape at 8K, batch 4).
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that
 # `zoomkv models` / `make demo` writes). The 8B shape reuses that tokenizer: only its vocabulary size matters
 # for timing. Each part has a timeout (TEST_TIMEOUT, LONG_TIMEOUT, PROFILE_TIMEOUT, SMALL_TIMEOUT) inside the
 # device tool's 600 s per command.
 set -uo pipefail
 out=${1:-${OUT:-cuda-check}}
-parts=${2:-tests,long,profile,small}
+parts=${2:-tests,long,profile,train,small}
 mkdir -p "$out"
 src=${SMOLLM2_DIR:-$HOME/.cache/zoomkv/models/smollm2-135m}
 py=${PYTHON:-python3}
@@ -58,6 +59,13 @@ has long && bench llama8b_32k_b8 "${LONG_TIMEOUT:-240}" --model "$shapes/llama-3
 has profile && bench llama8b_16k_profile "${PROFILE_TIMEOUT:-200}" --model "$shapes/llama-3.1-8b" --length 16384 \
   --methods full,sekv,quest,clusterkv,oracle_topk,streamingllm --budgets 1024 --new-tokens 32 --repeats 2 \
   --warmup-length 2048 --profile --sync-audit
+if has train; then  # steps/s: the step lines carry the seconds since the first step
+  echo "== zoomkv train (quickstart recipe, SmolLM2 shape, random weights, bf16)" | tee "$out/train.md"
+  timeout "${TRAIN_TIMEOUT:-150}" $py -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml \
+    model="$shapes/smollm2-135m" random_weights=true dtype=bfloat16 steps=40 num_samples=4 eval_samples=0 \
+    run_name=cuda-train output_dir="$(mktemp -d)" tensorboard=false log_every=10 save_every=1000 2>&1 \
+    | grep -E "step [0-9]+:|process|adapter saved|Error" | tee -a "$out/train.md"
+fi
 has small && bench smollm2_8k_b4 "${SMALL_TIMEOUT:-120}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
   --methods full,sekv,quest,clusterkv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --warmup-length 2048
 exit 0

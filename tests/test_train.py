@@ -303,3 +303,25 @@ def test_the_rank_hinge_sees_the_share_the_host_really_keeps():
     above = torch.full((2, 64), 0.1, requires_grad=True)
     torch.relu(kept_share(above) - 0.4).backward()
     assert kept_share(above).item() == pytest.approx(1.0) and bool((above.grad > 0).all())
+
+
+def test_the_frozen_model_in_bf16_with_random_weights_trains(tmp_path):
+    """What ``scripts/cuda_check.sh`` times on a GPU: a model's shape (a folder with its config and tokenizer)
+    built with random weights, frozen in bf16 on the training device, the modules trained in fp32."""
+    from zoomkv.models import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    shape = tmp_path / "shape"
+    model.config.save_pretrained(shape)
+    tokenizer.save_pretrained(shape)
+    code = main(["--recipe", str(TINY), f"model={shape}", "random_weights=true", "dtype=bfloat16",
+                 f"output_dir={tmp_path / 'out'}", "num_samples=2", "queries_per_sample=2", "steps=3",
+                 "layers_per_step=2", "eval_samples=0", "tensorboard=false"])
+    assert code == 0
+    weights = load_file(tmp_path / "out" / "sekv-tiny" / "adapter" / "adapter_model.safetensors")
+    assert weights and all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())
+
+
+def test_an_unknown_model_dtype_is_refused():
+    with pytest.raises(ConfigError, match="dtype"):
+        load_recipe(TINY, ["dtype=fp8"])

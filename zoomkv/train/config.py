@@ -18,6 +18,7 @@ import yaml
 from zoomkv.data.haystack import Haystack, text_haystack
 from zoomkv.data.training import parse_task_mix
 from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.models.device import DTYPES
 from zoomkv.protocol.method import coerce_number, value_fits
 from zoomkv.protocol.registry import TRAINING, get_training
 from zoomkv.protocol.training import MethodTraining
@@ -28,6 +29,8 @@ class TrainConfig:
     # what to train: a trainable method (zoomkv methods); its own recipe keys are listed by its recipe class
     # (MethodTraining.recipe_class) and land in `options`
     model: str = "smollm2-135m"  # a zoomkv model name, a local folder, or a name in KNOWN_CONFIGS (dry-run only)
+    dtype: str = "float32"  # the frozen model's dtype on the training device (bfloat16 on a GPU); the modules train in fp32
+    random_weights: bool = False  # `model` a local folder (config.json + tokenizer) built with seeded random weights: timing only
     method: str = ""
     run_name: str = ""  # a plain folder name in output_dir (left out: the method's name)
     output_dir: str = "checkpoints"
@@ -283,6 +286,8 @@ RANGES: dict[str, tuple[str, Any]] = {
 
 
 def check_ranges(cfg: TrainConfig) -> None:
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"recipe key 'dtype' must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     for key, (what, ok) in RANGES.items():
         value = getattr(cfg, key)
         if not ok(value):

@@ -86,7 +86,7 @@ def evaluate_run(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with lock_inside(cfg.run_dir, "train --eval-only", "run folder"):  # not while a run trains into it
-        model, tokenizer = load_model(cfg.model)
+        model, tokenizer = load_model(cfg.model, random_weights=cfg.random_weights)
         loaded = ZoomAdapter.from_pretrained(folder, local_files_only=True)
         loaded.check_base(model)
         scores = evaluate(model, tokenizer, cfg, loaded.modules)

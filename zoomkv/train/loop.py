@@ -86,12 +86,14 @@ def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
     """``train`` once the run folder is this run's alone."""
     from tqdm.auto import tqdm
 
-    from zoomkv.models import load_model
+    from zoomkv.models import load_model, parse_dtype
 
     corpus = load_corpus(cfg)  # a bad source fails here, before the model loads
     earlier = check_run_folder(cfg)  # a new or empty folder, or a run of ours resumed or started over
     resume = resume_folder(cfg)  # checked against the recipe's method and model before the model loads
-    model, tokenizer = load_model(cfg.model)
+    # on the accelerator's device (a GPU when there is one), in the recipe's dtype
+    model, tokenizer = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=accelerator.device,
+                                  random_weights=cfg.random_weights)
     model.requires_grad_(False)  # frozen: never trained, never saved
     shape = ModelShape.from_model(model)
     base = base_fingerprint(model, name=cfg.model)

@@ -121,7 +121,7 @@ def dry_run(cfg: TrainConfig) -> float:
     else:
         from zoomkv.models import load_model
 
-        model, _ = load_model(cfg.model)
+        model, _ = load_model(cfg.model, random_weights=cfg.random_weights)
         shape = ModelShape.from_model(model)
     adapter = build_adapter(cfg, shape)
     print(f"model {cfg.model}: {shape.num_layers} layers ({len(shape.full_attention_layers)} compressed), "
