@@ -54,7 +54,8 @@ benchmarks: $(STAMP)
 
 # The API reference from the docstrings, browsable in site/api/index.html (pdoc, the `docs` extra; not part of CI).
 API_MODULES := zoomkv zoomkv.memory zoomkv.protocol zoomkv.methods zoomkv.adapters zoomkv.models zoomkv.generation \
-	zoomkv.conversation zoomkv.runspec zoomkv.eval zoomkv.train zoomkv.cli zoomkv.compat zoomkv.budget zoomkv.errors
+	zoomkv.conversation zoomkv.runspec zoomkv.eval zoomkv.train zoomkv.cli zoomkv.compat zoomkv.budget zoomkv.errors \
+	zoomkv.kernels
 docs: $(STAMP)
 	$(PY) -m pip install -q -e ".[docs]"
 	$(PY) -m pdoc $(API_MODULES) '!zoomkv.train.deepspeed_engine' --docformat markdown --output-directory site/api
