@@ -6,9 +6,11 @@ subclass builds its index at prefill (``build_index``), extends it per decode st
 picks rows (``select_rows``). The functions below are the same pieces for methods with their own layout.
 
 Recall copies chosen host-tier rows into the layer's device-tier recall buffer. On a CUDA machine the host
-tier is pinned CPU memory: rows are gathered on the host and copied into a preallocated device buffer
-without blocking. On a CPU-only machine both tiers are RAM and the copy is a plain gather, but the buffer
-is still the device tier's and still counted.
+tier is pinned CPU memory, read from the GPU by one kernel at the indices the step chose there
+(``RowBuffer.gather``, ``zoomkv.kernels.gather_rows``), and new rows go to it by asynchronous copies: a step never
+waits for the host. The rows' padding mask (``valid``) is a device-tier index for the same reason. On a
+CPU-only machine both tiers are RAM and the copy is a plain gather, but the buffer is still the device tier's
+and still counted.
 
 Everything here works on a ``Memory`` (the object the runtime hands a method; only its tiers,
 ``meta`` and buffer factories are used) and keeps its tensors in the layer's tiers, never on the method
