@@ -41,10 +41,6 @@ def generate_cache_kwargs(cache_obj: Any) -> dict[str, Any]:
     return {cache_kwarg(): cache_obj}
 
 
-# sdpa's enable_gqa (torch 2.5+): query heads grouped over fewer KV heads inside the kernel
-SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-
-
 def register_attention(name: str, fn: Callable) -> None:
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, decode_mask)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zoomkv.compat import SDPA_GQA, register_attention, sdpa_attention_forward
+from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.protocol.method import PrefillContext, Selection
@@ -63,11 +63,6 @@ def attend(query: torch.Tensor, sel: Selection, scaling: float) -> torch.Tensor:
     """One softmax over the selected rows. ``query`` ``[b, hq, 1, d]`` → output ``[b, 1, hq, dv]``."""
     b, hq, q_len, d = query.shape
     kv_heads = sel.keys.shape[1]
-    if sel.bias is None and not query.is_cuda and SDPA_GQA:
-        # The CPU kernel groups the query heads itself: ~30% faster than the grouped view below over a buffer's
-        # strided rows (``full``'s every step). On CUDA the grouped view is the path measured (BENCHMARKS.md).
-        out = F.scaled_dot_product_attention(query, sel.keys, sel.values, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
     grouped = query.reshape(b, kv_heads, (hq // kv_heads) * q_len, d)  # query head h → KV head h // groups
     mask = None
     if sel.bias is not None:
