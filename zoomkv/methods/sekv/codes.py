@@ -39,7 +39,7 @@ def check_bits(bits: int, dim: int) -> None:
 @functools.lru_cache(maxsize=64)
 def _rotation_cpu(dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64, device="cpu"))  # never meta
     # QR's signs are LAPACK's choice: fix them (diag(r) > 0) so the matrix is a function of the seed alone.
     return (q * torch.sign(torch.diagonal(r))[None, :]).float()
 

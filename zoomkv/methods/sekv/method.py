@@ -309,7 +309,12 @@ class SeKV(RecallableMethod):
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
         rotated = torch.matmul(keys - mean, rot)
-        codes, rms = encode(rotated, c.code_bits)
+        if self.adapter is not None and self.adapter.hash_bits:  # the trained hash: the index is its signs
+            dev["hash_key"] = self.adapter.hash_key[layer].detach().float().to(keys.device)
+            dev["hash_query"] = self.adapter.hash_query[layer].detach().float().to(keys.device)
+            codes, rms = encode(torch.matmul(keys - mean, dev["hash_key"]), 1)
+        else:
+            codes, rms = encode(rotated, c.code_bits)
         dev["codes"], dev["code_rms"] = RowBuffer(codes), RowBuffer(rms)
         if anchors.shape[1]:
             safe = anchors.clamp_min(0)
@@ -516,7 +521,11 @@ class SeKV(RecallableMethod):
             append_host_rows(memory, key, value)
         dev, c = memory.device_tier, self.config
         fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
-        if native.usable(key):  # both code widths in one compiled pass
+        if "hash_key" in dev:  # the trained hash's signs; the second stage's finer codes of the rotated key
+            codes, rms = encode(torch.matmul(key.float() - dev["code_mean"], dev["hash_key"]), 1)
+            fine, fine_rms = (encode(torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"]), fine_bits)
+                              if fine_bits else (None, None))
+        elif native.usable(key):  # both code widths in one compiled pass
             codes, rms, fine, fine_rms = native.encode(key, dev["code_mean"], dev["code_rotation"], c.code_bits,
                                                        fine_bits)
         else:
@@ -550,7 +559,11 @@ class SeKV(RecallableMethod):
         dev = memory.device_tier
         h = dev["code_mean"].shape[1]
         qr = self.rotated_query(memory, query)
-        scores = score_codes(qr, dev["codes"].view(), dev["code_rms"].view(), self.config.code_bits)
+        if "hash_query" in dev:  # the trained hash: the query's weights on the key's sign bits
+            hashed = torch.matmul(group_query(query, h).float(), dev["hash_query"])
+            scores = score_codes(hashed, dev["codes"].view(), dev["code_rms"].view(), 1)
+        else:
+            scores = score_codes(qr, dev["codes"].view(), dev["code_rms"].view(), self.config.code_bits)
         if "anchor_pos" in dev:
             pos = dev["anchor_pos"]  # [b, A], -1 where a row has fewer anchors
             fine = score_codes(qr, dev["anchor_codes"], dev["anchor_rms"], self.config.anchor_bits)

@@ -15,6 +15,16 @@ Per compressed (full-attention) layer ``l`` and KV head ``h``:
 - ``rank_gate[l, 0 | 1, j]``: the rank budget of the host tier — whether the layer keeps its keys' (0) or
   values' (1) j-th principal direction (logit > 0; ``host.py``); init +3 (every direction: exact rows).
 
+With ``hash_bits`` ``b`` > 0 the index is a trained hash instead of the rotated key's signs (the semantic
+projector as learned hash codes, after HashAttention): per compressed layer and KV head
+
+- ``hash_key[l, h, d, b]``: a centred key's code is the sign of its ``b`` projections (``b/8`` bytes and the
+  projections' fp16 RMS a row, where the rotated key's signs take ``d/8`` and the RMS);
+- ``hash_query[l, h, d, b]``: the query's weights on those bits, ``score(q, k) = (q·Q) · decode(sign(k·K))``;
+
+both init to the layer's first ``b`` rotated coordinates (a random-hyperplane hash: at ``b = d``, exactly the
+untrained codes). Anchors and the second stage keep the rotated key's finer codes and the gains.
+
 Layers are indexed by their position among the model's full-attention layers (``ModelShape.full_attention_layers``).
 """
 
@@ -26,27 +36,46 @@ import torch
 from torch import nn
 
 from zoomkv.errors import ConfigError
+from zoomkv.methods.sekv.codes import rotation
 from zoomkv.protocol.shape import ModelShape
 
 DEFAULT_MAX_FRACTION = 0.0005
 INIT_TAU = 2.0
 MAX_SEED = 2**31 - 1  # torch's generators take any 64-bit seed; a layer's seed is 7919·seed + layer
+MAX_HASH_BITS = 512  # the compiled encoder's largest row
+
+
+def check_hash_bits(bits: int, dim: int) -> None:
+    """``hash_bits`` is 0 (the rotated key's signs) or a whole number of bytes up to ``head_dim``."""
+    if bits and (bits % 8 or not 8 <= bits <= min(dim, MAX_HASH_BITS)):
+        raise ConfigError(f"sekv hyper-parameter 'hash_bits' must be 0 or a multiple of 8 in [8, head_dim={dim}], "
+                          f"got {bits}")
 
 
 class SeKVAdapter(nn.Module):
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, rotation_seed: int = 0):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, rotation_seed: int = 0, hash_bits: int = 0):
         super().__init__()
+        check_hash_bits(hash_bits, head_dim)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.rotation_seed = rotation_seed
+        self.rotation_seed, self.hash_bits = rotation_seed, hash_bits
         self.code_gain = nn.Parameter(torch.zeros(num_layers, kv_heads, head_dim))
         self.span_tau = nn.Parameter(torch.full((num_layers,), INIT_TAU))
         self.layer_logit = nn.Parameter(torch.zeros(num_layers))
         self.summary_bias = nn.Parameter(torch.zeros(num_layers, kv_heads))
         self.rank_gate = nn.Parameter(torch.full((num_layers, 2, head_dim), 3.0))
+        if hash_bits:
+            init = torch.empty(num_layers, kv_heads, head_dim, hash_bits)
+            if init.device.type != "meta":  # (sizing builds the modules on the meta device: no values there)
+                with torch.no_grad():
+                    for layer in range(num_layers):
+                        init[layer] = rotation(head_dim, self.rotation_seed_of(layer))[:, :hash_bits]
+            self.hash_key = nn.Parameter(init)
+            self.hash_query = nn.Parameter(init.clone())
 
     def hyper(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "rotation_seed": self.rotation_seed}
+        out = {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+               "rotation_seed": self.rotation_seed}
+        return out | ({"hash_bits": self.hash_bits} if self.hash_bits else {})  # none: adapters saved before it
 
     def rotation_seed_of(self, layer: int) -> int:
         """The seed of layer ``layer``'s fixed rotation (one per layer, shared by its KV heads)."""
@@ -61,8 +90,9 @@ class SeKVAdapter(nn.Module):
         return torch.softmax(self.layer_logit, 0) * self.num_layers
 
 
-def param_count(n_layers: int, kv_heads: int, head_dim: int) -> int:
-    return n_layers * kv_heads * (head_dim + 1) + 2 * n_layers + 2 * n_layers * head_dim
+def param_count(n_layers: int, kv_heads: int, head_dim: int, hash_bits: int = 0) -> int:
+    return (n_layers * kv_heads * (head_dim + 1) + 2 * n_layers + 2 * n_layers * head_dim
+            + 2 * n_layers * kv_heads * head_dim * hash_bits)
 
 
 def hyper_int(hyper: dict[str, Any], key: str, default: Any, low: int, high: int) -> Any:
@@ -86,5 +116,7 @@ def build_sekv_modules(shape: ModelShape, hyper: dict[str, Any]) -> SeKVAdapter:
         if key in hyper and hyper[key] != size:
             raise ConfigError(f"sekv hyper-parameter {key!r} is {hyper[key]!r}, but the base model's shape makes "
                               f"it {size} (the modules are sized by the model)")
+    hash_bits = hyper_int(hyper, "hash_bits", 0, 0, MAX_HASH_BITS)
+    check_hash_bits(hash_bits, sizes["head_dim"])
     return SeKVAdapter(sizes["num_layers"], sizes["kv_heads"], sizes["head_dim"],
-                       rotation_seed=hyper_int(hyper, "rotation_seed", 0, 0, MAX_SEED))
+                       rotation_seed=hyper_int(hyper, "rotation_seed", 0, 0, MAX_SEED), hash_bits=hash_bits)

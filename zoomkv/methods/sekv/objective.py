@@ -59,6 +59,8 @@ class Student:
     anchor: torch.Tensor  # [n] 0/1 in the forward pass, the sigmoid's gradient in the backward pass
     soft_anchor: torch.Tensor  # [n] the sigmoid itself
     rescored: torch.Tensor | None  # [h, n, d] decoded host-tier codes of the second stage (None: one stage)
+    # [h, n, b] the trained hash's decoded signs (forward), the projections themselves (backward); None: no hash
+    hashed: torch.Tensor | None = None
 
 
 def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surprisal: torch.Tensor, n: int,
@@ -90,7 +92,13 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
             top = z.masked_fill(~above, float("-inf")).topk(min(most, int(above.sum()))).indices
             hard[top] = 1.0
     anchor = hard + (soft - soft.detach()) * region
-    return Student(coarse, fine, anchor, soft * region, rescored)
+    hashed = None
+    if adapter.hash_bits:
+        z = torch.matmul(k - k.mean(1, keepdim=True), adapter.hash_key[layer])  # [h, n, b]
+        with torch.no_grad():
+            signs = decode(*encode(z, 1), 1)
+        hashed = signs + (z - z.detach())  # straight-through: the sign's gradient taken as the identity's
+    return Student(coarse, fine, anchor, soft * region, rescored, hashed)
 
 
 def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: torch.Tensor,
@@ -102,6 +110,11 @@ def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: tor
     q = torch.matmul(query.float().view(h, -1, d), rot) * adapter.gains(layer)[:, None, :]
     if stage == 2:
         rows = student.rescored
+    elif student.hashed is not None:  # anchors from their finer codes, every other row from the trained hash
+        a = student.anchor[None, None, :]
+        hashed_q = torch.matmul(query.float().view(h, -1, d), adapter.hash_query[layer])  # [h, g, b]
+        base = torch.matmul(hashed_q, student.hashed.transpose(-1, -2))
+        return (a * torch.matmul(q, student.fine.transpose(-1, -2)) + (1 - a) * base) * scaling
     else:
         a = student.anchor[None, :, None]
         rows = a * student.fine + (1 - a) * student.coarse  # [h, n, d]
@@ -283,6 +296,10 @@ class SeKVRecipe(RecipeOptions):
     host_exact_anchors: bool = False  # under a rank budget: the anchors (surprising tokens) stay exact
     host_exact_late: bool = False  # under a rank budget: rows after compression stay exact
     rotation_seed: int = 0
+    # the index as a trained hash of this many bits a row (0: the rotated key's signs, head_dim bits); its query and
+    # key projections (2 x layers x KV heads x head_dim x bits parameters) train at hash_lr
+    hash_bits: int = 0
+    hash_lr: float = 0.002
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
     w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
@@ -322,7 +339,9 @@ class SeKVRecipe(RecipeOptions):
         self.require("host_budget", 0 <= self.host_budget < 1, "in [0, 1) (0: no fitted budget)")
         self.require("host_budget", not self.host_budget or self.host_format != "none",
                      "with a host_format (the layout its bits are fitted in), e.g. host_format: kivi4")
-        for key in ("gain_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
+        self.require("hash_bits", self.hash_bits == 0 or (self.hash_bits % 8 == 0 and 8 <= self.hash_bits <= 512),
+                     "0 or a multiple of 8 in [8, head_dim]")
+        for key in ("gain_lr", "hash_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
@@ -332,7 +351,7 @@ _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
 class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
     size_hint = "sekv's modules are sized by the model (layers x KV heads x head_dim): nothing to lower"
-    module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "max_trainable_fraction")
+    module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "hash_bits", "max_trainable_fraction")
     # code_gain is a log gain (exp(30) ~ 1e13 already drowns every other coordinate); the logits' biases
     # saturate a softmax long before 50
     weight_bounds = {"code_gain": 30.0, "summary_bias": 50.0, "layer_logit": 50.0}
@@ -347,6 +366,7 @@ class SeKVTraining(MethodTraining):
 
     def init_modules(self, recipe: Any, shape: ModelShape) -> SeKVAdapter:
         return build_sekv_modules(shape, {"rotation_seed": recipe.options.rotation_seed,
+                                          "hash_bits": recipe.options.hash_bits,
                                           "max_trainable_fraction": recipe.max_trainable_fraction})
 
     def method_config(self, recipe: Any) -> SeKVConfig:
@@ -375,6 +395,9 @@ class SeKVTraining(MethodTraining):
     def param_groups(self, modules: SeKVAdapter, recipe: Any) -> list[dict[str, Any]]:
         others = [modules.span_tau, modules.layer_logit, modules.summary_bias]
         groups = [{"params": [modules.code_gain], "lr": recipe.options.gain_lr}, {"params": others, "lr": recipe.lr}]
+        if modules.hash_bits:  # no decay: the projections' scale is the logits' scale
+            groups.append({"params": [modules.hash_key, modules.hash_query], "lr": recipe.options.hash_lr,
+                           "weight_decay": 0.0})
         if recipe.options.host_rank_target < 1:
             group = {"params": [modules.rank_gate], "lr": recipe.options.gate_lr}
             if not recipe.options.host_rank_values:  # no decay either: the value gates must stay on

@@ -52,7 +52,8 @@ class LayerArgs(ctypes.Structure):
                 ("key_sum", _P), ("value_sum", _P), ("count", _P), ("offset", _P),
                 ("out_keys", _P), ("out_values", _P), ("out_cap", _I64),
                 ("append_keys", _I64), ("append_values", _I64),
-                ("anchor_copies", _I64), ("anchor_keys", HostArgs), ("anchor_values", HostArgs)]
+                ("anchor_copies", _I64), ("anchor_keys", HostArgs), ("anchor_values", HostArgs),
+                ("hash_bits", _I64), ("hash_key", _P), ("hash_query", _P)]
 
 
 _LAYER = ctypes.POINTER(LayerArgs)
@@ -158,6 +159,9 @@ class NativeLayer:
         if gains is not None:
             self.held.append(gains.float().contiguous())
             a.gains = self.held[-1].data_ptr()
+        if "hash_key" in dev:  # a trained hash index ([heads, d, bits] projections of keys and queries)
+            self.held += [dev["hash_key"].float().contiguous(), dev["hash_query"].float().contiguous()]
+            a.hash_bits, a.hash_key, a.hash_query = self.held[-1].shape[-1], self.held[-2].data_ptr(), self.held[-1].data_ptr()
         if "anchor_pos" in dev and dev["anchor_pos"].shape[1]:
             anchors = [dev["anchor_pos"].contiguous(), dev["anchor_codes"].contiguous(), dev["anchor_rms"].contiguous()]
             self.held += anchors

@@ -295,7 +295,7 @@ struct HostRows {
 
 
 struct Scratch {
-  std::vector<float> qr, logits, vote, vote2, part, rows, sums;
+  std::vector<float> qr, qh, logits, vote, vote2, part, rows, sums;
   std::vector<int64_t> order, cand;
   std::vector<uint64_t> keys;
 };
@@ -483,7 +483,32 @@ struct Layer {
   // that is an anchor (anchor_pos) from here instead of from keys / values
   int64_t anchor_copies;
   HostRows anchor_keys, anchor_values;
+  // hash_bits > 0: the index is a trained hash: codes = signs of (key - mean) @ hash_key[h] ([heads, d, hash_bits]),
+  // stage one scores them against query @ hash_query[h]; anchors and stage two keep the rotated key's codes
+  int64_t hash_bits;
+  const float* hash_key;
+  const float* hash_query;
 };
+
+// One key's hash codes: the signs of (key - mean) @ proj ([d, bits]), packed, and the projections' fp16 RMS.
+void encode_hash_row(const float* key, const float* mu, const float* proj, int64_t d, int64_t bits, uint8_t* codes,
+                     uint16_t* rms) {
+  float x[512];  // bits <= 512 (checked by the caller)
+  for (int64_t c = 0; c < bits; ++c) x[c] = 0.0f;
+  for (int64_t j = 0; j < d; ++j) {
+    const float kj = key[j] - mu[j];
+    const float* row = proj + j * bits;
+    for (int64_t c = 0; c < bits; ++c) x[c] += kj * row[c];
+  }
+  float ss = 0.0f;
+  for (int64_t c = 0; c < bits; ++c) ss += x[c] * x[c];
+  *rms = float_to_half(std::sqrt(ss / float(bits)));
+  for (int64_t j = 0; j < bits / 8; ++j) {
+    unsigned byte = 0;
+    for (int i = 0; i < 8; ++i) byte |= unsigned(x[j * 8 + i] > 0.0f) << i;
+    codes[j] = uint8_t(byte);
+  }
+}
 
 // Steps 1-7 above for (sequence, KV head) bh: the k rows picked into dst, in sequence order.
 void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
@@ -509,7 +534,24 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
       for (int64_t c = 0; c < d; ++c) qr[c] *= a.gains[h * d + c];
   }
   // 2. every row's estimated logit from its code: logits[g * n + r]
-  {
+  if (a.hash_bits) {
+    const int64_t nb = a.hash_bits;
+    s.qh.assign(group * nb, 0.0f);
+    const float* proj = a.hash_query + h * d * nb;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = a.query + (bh * group + g) * d;
+      float* qh = s.qh.data() + g * nb;
+      for (int64_t j = 0; j < d; ++j) {
+        const float qj = q[j];
+        const float* row = proj + j * nb;
+        for (int64_t c = 0; c < nb; ++c) qh[c] += qj * row[c];
+      }
+    }
+    Scorer scorer(s.qh.data(), group, nb, 1);
+    scorer.reserve(n);
+    scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
+                      s.logits.data());
+  } else {
     Scorer scorer(s.qr.data(), group, d, int(a.bits));
     scorer.reserve(n);
     scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
@@ -640,7 +682,7 @@ void recall_head(const Layer& a, int64_t bh, const int64_t* rows, int64_t k, Scr
 // append writes, and the summary row's running sums and count. Buffers have room for the rows.
 void append_rows(const Layer& a, const float* keys, const float* values, int64_t rows) {
   const int64_t d = a.d, dv = a.dv;
-  const RowCodes out{int(a.bits), a.codes, a.codes_cap, a.rms, a.rms_cap,
+  const RowCodes out{a.hash_bits ? 0 : int(a.bits), a.codes, a.codes_cap, a.rms, a.rms_cap,
                      int(a.fine_bits), a.fine_codes, a.fine_cap, a.fine_rms, a.fine_rms_cap};
   float* host_keys = a.append_keys ? static_cast<float*>(const_cast<void*>(a.keys.data)) : nullptr;
   float* host_values = a.append_values ? static_cast<float*>(const_cast<void*>(a.values.data)) : nullptr;
@@ -652,6 +694,9 @@ void append_rows(const Layer& a, const float* keys, const float* values, int64_t
       const float* key = keys + (bh * rows + r) * d;
       const float* value = values + (bh * rows + r) * dv;
       encode_row(key, a.mean + bh * d, a.rotation, d, out, bh, a.n + r);
+      if (a.hash_bits)
+        encode_hash_row(key, a.mean + bh * d, a.hash_key + (bh % a.heads) * d * a.hash_bits, d, a.hash_bits,
+                        a.codes + (bh * a.codes_cap + a.n + r) * (a.hash_bits / 8), a.rms + bh * a.rms_cap + a.n + r);
       if (host_keys) std::memcpy(host_keys + (bh * a.keys.cap + a.n + r) * d, key, d * 4);
       if (host_values) std::memcpy(host_values + (bh * a.values.cap + a.n + r) * dv, value, dv * 4);
       for (int64_t c = 0; c < d; ++c) ks[c] += key[c];
@@ -694,7 +739,7 @@ int zk_sekv_recall_rows(const Layer* a) {
 
 // A decode step's new rows into the layer's buffers (append_rows).
 int zk_sekv_append(const Layer* a, const float* keys, const float* values, int64_t rows) {
-  if (a->d > 512) return 1;
+  if (a->d > 512 || a->hash_bits > 512) return 1;
   append_rows(*a, keys, values, rows);
   return 0;
 }

@@ -1,0 +1,266 @@
+"""sekv's index at equal bits: how much of the teacher's attention each way of coding the keys lets the router find.
+
+For held-out prompts (an eval task on a haystack, built as ``zoomkv eval`` builds them), the frozen model reads the
+whole prompt once; at the last ``--queries`` positions (the question and the answer's start: the queries a
+query-agnostic cache is asked with) the teacher's attention over every row is kept, per layer. Each coding then
+estimates every row's logit from its codes alone, the router's group vote picks the best rows of the budget
+(sinks and recent rows always in, as inference), and the table reports
+
+- **mass**: the teacher attention (mean over the group's query heads) on the rows picked, sinks and recent included;
+- **recall**: the share of the teacher's own top rows (the same count, outside sinks and recent rows) picked;
+- **mass, two stages**: ``--candidates`` x the rows by the codes, then the best by the exact key (sekv's
+  ``rescore_from=host``: what the default adapter does), which needs the codes to find candidates only.
+
+Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
+
+- ``sign``: today's index, the signs of the centred key rotated by the layer's fixed random rotation (head_dim
+  bits), the query through the adapter's gains (``--adapter`` without a hash; none: gains 1);
+- ``simhash-B``: the signs of ``B`` random hyperplanes (Gaussian, fixed seed), the query through the same ones;
+- ``orth-B``: the same with orthonormal hyperplanes (the first ``B`` columns of another random rotation: what a
+  trained hash starts from);
+- ``pca-B``: the signs of the sequence's own top-``B`` principal directions of the centred keys, whitened (each
+  coordinate scaled to unit variance; the query side carries the scale back), per KV head;
+- ``trained-B`` / the adapter's name: an adapter's trained hash (``hash_bits``: its key and query projections).
+
+    python scripts/code_ablation.py --length 4096 --samples 20 --adapter checkpoints/sekv-hash32/adapter \\
+        --out runs/code-ablation-4k
+
+The teacher's signals are cached per prompt in ``--out`` (a killed run continues), the table is printed and
+written to ``--out``/table.md, and the numbers to ``--out``/result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from zoomkv.methods.sekv.codes import decode, encode, rotation  # noqa: E402
+
+
+def extract(model, ids: torch.Tensor, queries: int) -> dict[str, torch.Tensor]:
+    """Per layer: post-RoPE keys ``[h, T, d]`` (fp16), the last ``queries`` positions' queries ``[hq, Q, d]`` and
+    the teacher's attention there ``[hq, Q, T]``."""
+    from zoomkv.memory.replay import record_prefill
+
+    with torch.inference_mode():
+        record = record_prefill(model, ids)
+    t = ids.shape[1]
+    at = torch.arange(t - queries, t)
+    out: dict[str, torch.Tensor] = {"length": torch.tensor(t), "positions": at}
+    for layer, ctx in sorted(record.contexts.items()):
+        k = ctx.keys[0].float()
+        q = ctx.queries[0][:, at].float()
+        logits = torch.matmul(q, k.repeat_interleave(ctx.num_kv_groups, 0).transpose(-1, -2)) * ctx.scaling
+        logits = logits.masked_fill(torch.arange(t)[None, None, :] > at[None, :, None], float("-inf"))
+        out[f"k.{layer}"] = k.half().contiguous()
+        out[f"q.{layer}"] = q.contiguous()
+        out[f"attn.{layer}"] = torch.softmax(logits, -1).half()
+        out["scaling"] = torch.tensor(ctx.scaling)
+    return out
+
+
+def build_prompts(args) -> list[tuple[str, int, torch.Tensor]]:
+    from zoomkv.data.haystack import text_haystack
+    from zoomkv.data.sample import PromptFormat
+    from zoomkv.eval.tasks import TaskBuilder
+    from zoomkv.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    fmt = PromptFormat(tokenizer)
+    builder = TaskBuilder(fmt, seed=args.seed, model_max=1 << 20, essays=text_haystack(args.haystack), data=[])
+    folder = Path(args.out) / "teacher"
+    folder.mkdir(parents=True, exist_ok=True)
+    found = []
+    for task in args.tasks.split(","):
+        for i in range(args.samples):
+            path = folder / f"{task}_{args.length}_{i:03d}.safetensors"
+            if not path.is_file():
+                sample = builder.build(task, args.length, i)
+                ids = tokenizer(fmt.sample_text(sample), add_special_tokens=False, return_tensors="pt")["input_ids"]
+                torch.set_num_threads(args.threads)
+                tensors = extract(model, ids, args.queries)
+                save_file(tensors, str(path.with_suffix(".tmp")))
+                path.with_suffix(".tmp").replace(path)
+                print(f"teacher {path.name}: {ids.shape[1]} tokens", flush=True)
+            found.append((task, i, path))
+    return found
+
+
+# -- codings: per layer, (key projection, query projection) [h, d, b] for a sequence's centred keys -----------
+def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    h, _, d = keys.shape
+    if kind == "sign" or kind.startswith("sign:"):
+        adapter = adapters.get(kind.partition(":")[2])
+        seed = adapter.rotation_seed_of(layer) if adapter is not None else layer
+        rot = rotation(d, seed)[None].expand(h, -1, -1)
+        gains = adapter.gains(layer).detach()[:, None, :] if adapter is not None else 1.0
+        return rot, rot * gains
+    name, _, bits = kind.rpartition("-")
+    b = int(bits) if bits.isdigit() else 0
+    if name == "simhash":  # Charikar's random hyperplanes: independent Gaussian directions
+        g = torch.Generator().manual_seed(1000 + layer)
+        planes = torch.randn(d, b, generator=g)[None].expand(h, -1, -1)
+        return planes, planes
+    if name == "orth":  # orthonormal random hyperplanes: the first b columns of another random rotation
+        planes = rotation(d, 1000 + layer)[:, :b][None].expand(h, -1, -1)
+        return planes, planes
+    if name == "pca":
+        x = keys - keys.mean(1, keepdim=True)
+        cov = torch.matmul(x.transpose(-1, -2), x) / x.shape[1]  # [h, d, d]
+        var, vec = torch.linalg.eigh(cov.double())
+        top = vec[..., -b:].flip(-1).float()  # [h, d, b]: the b largest directions first
+        sd = var[..., -b:].flip(-1).clamp_min(1e-12).sqrt().float()[:, None, :]
+        return top / sd, top * sd
+    adapter = adapters[kind]
+    return adapter.hash_key[layer].detach(), adapter.hash_query[layer].detach()
+
+
+def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, adapters: dict) -> torch.Tensor:
+    """``[h, g, Q, n]`` estimated logits (before scaling) of every row for every query from the coding's codes."""
+    h, n, d = keys.shape
+    pk, pq = projections(kind, layer, keys, adapters, queries.shape[0])
+    x = torch.matmul(keys - keys.mean(1, keepdim=True), pk)  # [h, n, b]
+    rows = decode(*encode(x, 1), 1)
+    q = torch.matmul(queries.view(h, -1, d), pq)  # [h, g·Q, b]
+    return torch.matmul(q, rows.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
+
+
+def selection_scores(logits: torch.Tensor, teacher: torch.Tensor, budget: int, sinks: int, recent: int,
+                     candidates: float, exact: torch.Tensor) -> tuple[float, float, float]:
+    """One query position: ``logits`` / ``teacher`` / ``exact`` ``[h, g, n]`` → (mass, recall, two-stage mass)."""
+    h, g, n = teacher.shape
+    region = torch.zeros(n, dtype=torch.bool)
+    region[sinks: n - recent] = True
+    rows = budget - 1 - sinks - recent  # the summary row takes one
+    a = teacher.mean(1)  # [h, n]
+    fixed = (a * ~region).sum(-1)
+    def picked_mass(vote: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        top = vote.masked_fill(~region, float("-inf")).topk(count, -1).indices
+        return top, fixed + a.gather(-1, top).sum(-1)
+    vote = torch.softmax(logits, -1).sum(1)
+    top, mass = picked_mass(vote, rows)
+    best = a.masked_fill(~region, float("-inf")).topk(rows, -1).indices
+    recall = torch.zeros(h, n).scatter_(-1, best, 1.0).gather(-1, top).sum(-1) / rows
+    m = min(int(region.sum()), math.ceil(candidates * (rows + 1 + sinks + recent)) - sinks - recent)
+    cand = vote.masked_fill(~region, float("-inf")).topk(m, -1).indices
+    exact_vote = torch.softmax(exact, -1).sum(1).gather(-1, cand)
+    chosen = cand.gather(-1, exact_vote.topk(rows, -1).indices)
+    two = fixed + a.gather(-1, chosen).sum(-1)
+    return float(mass.mean()), float(recall.mean()), float(two.mean())
+
+
+def evaluate(paths, kinds: list[str], adapters: dict, args) -> dict:
+    result: dict[str, dict] = {kind: {"mass": {}, "recall": {}, "two_stage": {}, "per_prompt": []} for kind in kinds}
+    for task, i, path in paths:
+        tensors = load_file(str(path))
+        scaling = float(tensors["scaling"])
+        layers = sorted(int(k.split(".")[1]) for k in tensors if k.startswith("k."))
+        sums = {kind: [0.0, 0.0, 0.0] for kind in kinds}
+        for pos, layer in enumerate(layers):
+            keys = tensors[f"k.{layer}"].float()
+            queries = tensors[f"q.{layer}"].float()  # [hq, Q, d]
+            attn = tensors[f"attn.{layer}"].float()  # [hq, Q, T]
+            h, n = keys.shape[0], keys.shape[1]
+            exact = torch.matmul(queries, keys.repeat_interleave(queries.shape[0] // h, 0).transpose(-1, -2)) * scaling
+            for kind in kinds:
+                est = estimates(kind, pos, keys, queries, adapters) * scaling  # [h, g, Q, n]
+                got = [selection_scores(est[:, :, j, : n - (queries.shape[1] - 1 - j)],
+                                        attn.view(h, -1, queries.shape[1], n)[:, :, j, : n - (queries.shape[1] - 1 - j)],
+                                        args.budget, args.sinks, args.recent, args.candidates,
+                                        exact.view(h, -1, queries.shape[1], n)[:, :, j, : n - (queries.shape[1] - 1 - j)])
+                       for j in range(queries.shape[1])]
+                for slot, name in enumerate(("mass", "recall", "two_stage")):
+                    value = sum(x[slot] for x in got) / len(got)
+                    result[kind][name].setdefault(str(pos), []).append(value)
+                    sums[kind][slot] += value / len(layers)
+        for kind in kinds:
+            result[kind]["per_prompt"].append({"task": task, "index": i, "mass": sums[kind][0],
+                                               "recall": sums[kind][1], "two_stage": sums[kind][2]})
+        print(f"{path.name}: " + ", ".join(f"{k} {sums[k][0]:.3f}" for k in kinds), flush=True)
+    return result
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% interval (normal approximation over prompts)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / max(1, n - 1))
+    return mean, 1.96 * sd / math.sqrt(n)
+
+
+def table(result: dict, kinds: list[str], reference: str, bits: dict[str, int]) -> str:
+    lines = ["| coding | bits a row | device bytes a row | mass (95% CI) | recall of top rows | mass, two stages "
+             f"| layers at or above `{reference}`'s mass |", "|---|---|---|---|---|---|---|"]
+    ref = result[reference]["mass"]
+    for kind in kinds:
+        r = result[kind]
+        mass = interval([p["mass"] for p in r["per_prompt"]])
+        recall = interval([p["recall"] for p in r["per_prompt"]])
+        two = interval([p["two_stage"] for p in r["per_prompt"]])
+        layer_means = {layer: sum(v) / len(v) for layer, v in r["mass"].items()}
+        ref_means = {layer: sum(v) / len(v) for layer, v in ref.items()}
+        above = sum(layer_means[layer] >= ref_means[layer] - 1e-9 for layer in layer_means)
+        lines.append(f"| {kind} | {bits[kind]} | {bits[kind] // 8 + 2} | {mass[0]:.3f} ± {mass[1]:.3f} | "
+                     f"{recall[0]:.3f} ± {recall[1]:.3f} | {two[0]:.3f} ± {two[1]:.3f} | {above} / {len(layer_means)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tasks", default="niah_single_2,niah_multikey_1")
+    p.add_argument("--haystack", default="kjv")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=20, help="prompts per task")
+    p.add_argument("--queries", type=int, default=8, help="query positions per prompt (the prompt's last)")
+    p.add_argument("--budget", type=int, default=128)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--recent", type=int, default=16)
+    p.add_argument("--candidates", type=float, default=4.0)
+    p.add_argument("--bits", default="16,32,64", help="bits a row of the untrained hashes")
+    p.add_argument("--adapter", action="append", default=[], help="a sekv adapter: its trained hash, or (no hash) "
+                                                                    "its gains on today's codes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = build_prompts(args)
+    from zoomkv.adapters.model import ZoomAdapter
+
+    adapters, kinds, bits = {}, ["sign"], {}
+    with torch.no_grad():
+        probe = load_file(str(paths[0][2]))
+    d = next(v for k, v in probe.items() if k.startswith("k.")).shape[-1]
+    bits["sign"] = d
+    for b in (int(x) for x in args.bits.split(",") if x):
+        for name in ("simhash", "orth", "pca"):
+            kinds.append(f"{name}-{b}")
+            bits[f"{name}-{b}"] = b
+    for path in args.adapter:
+        modules = ZoomAdapter.from_pretrained(path).modules
+        label = f"{'trained' if modules.hash_bits else 'sign'}:{Path(path).parent.name}"
+        adapters[label] = adapters[label.partition(":")[2]] = modules
+        kinds.append(label)
+        bits[label] = modules.hash_bits or d
+    result = evaluate(paths, kinds, adapters, args)
+    text = table(result, kinds, "sign", bits)
+    header = (f"{len(paths)} prompts ({args.tasks} at {args.length} tokens over {args.haystack}), the last "
+              f"{args.queries} positions of each, B={args.budget}, {args.model}")
+    print(header + "\n\n" + text)
+    out = Path(args.out)
+    (out / "table.md").write_text(header + "\n\n" + text + "\n", encoding="utf-8")
+    (out / "result.json").write_text(json.dumps({"args": vars(args), "result": result}), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

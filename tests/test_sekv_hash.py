@@ -1,0 +1,191 @@
+"""sekv's trained hash index (``hash_bits``): the learned key and query projections whose signs are the index.
+
+What makes it that index: a row's device codes are ``hash_bits / 8`` bytes (and the RMS), scored against the
+query's projection; it starts as the rotated key's first ``hash_bits`` coordinates (at ``hash_bits = head_dim``
+exactly today's codes); the compiled CPU step and the torch path pick the same rows; the distillation loss
+reaches both projections through the signs (straight-through); the adapter records it and a bad value is one
+line at load."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_sekv_native import G, H, _assert_same, _both, _memory
+from zoomkv.errors import ConfigError
+from zoomkv.methods.sekv import native
+from zoomkv.methods.sekv.codes import code_bytes
+from zoomkv.methods.sekv.method import SeKV, SeKVConfig
+from zoomkv.methods.sekv.modules import SeKVAdapter
+from zoomkv.methods.sekv.objective import position_losses, prefix_student
+from zoomkv.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_model("tiny-llama")[0].config
+
+
+def _hashed(config, d: int, bits: int, seed: int = 0) -> SeKVAdapter:
+    torch.manual_seed(seed)
+    adapter = SeKVAdapter(config.num_hidden_layers, H, d, hash_bits=bits)
+    with torch.no_grad():  # trained-looking: projections off their start, query and key sides apart
+        adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
+        adapter.hash_query.mul_(1.5).add_(torch.randn_like(adapter.hash_query) * 0.1)
+        adapter.code_gain.normal_(0, 0.3)
+    return adapter
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+@pytest.mark.parametrize("d,bits", [(16, 8), (16, 16), (64, 32), (64, 64)])
+@pytest.mark.parametrize("kwargs", [{}, {"rescore_from": "host"}, {"rescore_bits": 0}])
+def test_the_compiled_step_scores_the_hash_as_the_torch_path_does(config, d, bits, kwargs):
+    method = SeKV(adapter=_hashed(config, d, bits), **kwargs)
+    memory, g = _memory(config, method, t=300, budget=48, seed=1, batch=2, d=d)
+    for _ in range(3):  # new rows coded by the compiled append
+        method.append(memory, torch.randn(2, H, 1, d, generator=g), torch.randn(2, H, 1, d, generator=g))
+        _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, d, generator=g) * 2))
+    assert memory.device_tier["codes"].view().shape[-1] == bits // 8
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+def test_the_compiled_append_writes_the_hash_codes_of_the_torch_append(config):
+    views = []
+    for torch_path in (True, False):
+        method = SeKV(adapter=_hashed(config, 64, 32))
+        memory, g = _memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
+        with native.torch_path() if torch_path else torch.no_grad():
+            for rows in (1, 3, 1):
+                method.append(memory, torch.randn(2, H, rows, 64, generator=g), torch.randn(2, H, rows, 64, generator=g))
+        views.append((memory.device_tier["codes"].view().clone(), memory.device_tier["code_rms"].view().clone()))
+    (codes0, rms0), (codes1, rms1) = views
+    assert codes0.shape == codes1.shape == (2, H, 125, 4)
+    assert (codes0 != codes1).float().mean() < 1e-2  # a projection at 0 may round the other way
+    torch.testing.assert_close(rms0.float(), rms1.float(), rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_an_untrained_hash_of_head_dim_bits_is_todays_index(config, d):
+    plain, hashed = SeKV(adapter=SeKVAdapter(config.num_hidden_layers, H, d)), \
+        SeKV(adapter=SeKVAdapter(config.num_hidden_layers, H, d, hash_bits=d))
+    mem0, _ = _memory(config, plain, t=200, budget=48, seed=3, batch=2, d=d)
+    mem1, _ = _memory(config, hashed, t=200, budget=48, seed=3, batch=2, d=d)
+    assert torch.equal(mem0.device_tier["codes"].view(), mem1.device_tier["codes"].view())
+    query = torch.randn(2, H * G, 1, d)
+    with native.torch_path():
+        torch.testing.assert_close(plain.router_scores(mem0, query), hashed.router_scores(mem1, query),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_fewer_bits_hold_fewer_device_bytes(config):
+    """The index's bytes a row are ``bits / 8 + 2`` (the RMS): at 32 bits on head_dim 64, 6 where the rotated key's
+    signs take 10; the device tier counts them, and the layer's two projections (float32) beside them."""
+    got = {}
+    for bits in (0, 32, 16):
+        adapter = SeKVAdapter(config.num_hidden_layers, H, 64, hash_bits=bits)
+        memory, _ = _memory(config, SeKV(adapter=adapter), t=400, budget=48, seed=5, batch=1, d=64)
+        codes = memory.device_tier["codes"].view().numel() + 2 * memory.device_tier["code_rms"].view().numel()
+        assert codes == 400 * H * code_bytes(bits or 64, 1)
+        got[bits] = memory.device_bytes
+    projections = {bits: 2 * H * 64 * bits * 4 for bits in (0, 32, 16)}
+    assert got[0] - got[32] == 400 * H * 4 - projections[32]
+    assert got[32] - got[16] == 400 * H * 2 + projections[32] - projections[16]
+
+
+def test_the_hash_trains_through_its_signs():
+    """The listwise loss reaches both projections (the signs' gradient taken straight through), the forward pass
+    is the codes inference keeps, and a key projection that puts the teacher's row on the query's side ranks it
+    higher than one that puts it on the other side."""
+    g = torch.Generator().manual_seed(0)
+    h, t, d, bits, target = 1, 160, 16, 8, 77
+    keys, values = torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g)
+    query = torch.randn(2, d, generator=g)
+    teacher = torch.full((2, t), 0.1 / (t - 1))
+    teacher[:, target] = 0.9
+    cfg = SeKVConfig(anchor_fraction=0.0, rescore_bits=0)
+    adapter = SeKVAdapter(2, h, d, hash_bits=bits)
+    student = prefix_student(adapter, 0, keys, torch.ones(t), t, cfg)
+    assert student.hashed.shape == (h, t, bits)
+    levels = student.hashed.detach().abs() / student.hashed.detach().pow(2).mean(-1, keepdim=True).sqrt()
+    torch.testing.assert_close(levels, torch.ones_like(levels))  # one level a row: signs times the RMS
+    losses = position_losses(adapter, 0, keys, values, query, teacher, torch.ones(t), t - 1, d**-0.5, 40, cfg)
+    losses.rank.backward()
+    assert adapter.hash_key.grad[0].abs().sum() > 0 and adapter.hash_query.grad[0].abs().sum() > 0
+    assert adapter.hash_key.grad[1].abs().sum() == 0  # layer 1 took no part
+
+    def rank_with_target_sign(sign: float) -> float:
+        a = SeKVAdapter(1, h, d, hash_bits=bits)
+        k = keys.clone()
+        qh = query.mean(0) @ a.hash_query[0, 0].detach()  # the target row's projections agree with the query's
+        k[:, target] = sign * 3 * torch.linalg.lstsq(a.hash_key[0, 0].detach().T, qh[:, None]).solution[:, 0]
+        return float(position_losses(a, 0, k, values, query, teacher, torch.ones(t), t - 1, d**-0.5, 40, cfg).rank.detach())
+
+    assert rank_with_target_sign(1.0) < rank_with_target_sign(-1.0)
+
+
+def test_a_recipe_trains_and_records_the_hash(tmp_path):
+    from zoomkv.adapters.model import ZoomAdapter
+    from zoomkv.cli import run_command
+
+    code = run_command("train", ["--recipe", str(ROOT / "recipes" / "tiny-llama-sekv.yaml"), "hash_bits=8",
+                                 f"output_dir={tmp_path}", "num_samples=2", "queries_per_sample=2", "steps=4",
+                                 "layers_per_step=2", "eval_samples=0", "tensorboard=false",
+                                 "max_trainable_fraction=1"], prog="zoomkv train")
+    assert code == 0
+    folder = tmp_path / "sekv-tiny" / "adapter"
+    hyper = json.loads((folder / "adapter_config.json").read_text())["hyper"]
+    assert hyper["hash_bits"] == 8
+    start = SeKVAdapter(hyper["num_layers"], hyper["kv_heads"], hyper["head_dim"], hash_bits=8)
+    weights = load_file(folder / "adapter_model.safetensors")
+    assert not torch.equal(weights["hash_key"], start.hash_key.detach())  # it moved
+    method = ZoomAdapter.from_pretrained(folder).make_method()
+    assert method.adapter.hash_bits == 8
+    # a recorded width that is no whole number of bytes is one line at load
+    data = json.loads((folder / "adapter_config.json").read_text())
+    data["hyper"]["hash_bits"] = 12
+    (folder / "adapter_config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="hash_bits"):
+        ZoomAdapter.from_pretrained(folder)
+
+
+def test_a_bad_recipe_width_is_one_line(tmp_path, capsys):
+    from zoomkv.cli import run_command
+
+    code = run_command("train", ["--recipe", str(ROOT / "recipes" / "tiny-llama-sekv.yaml"), "hash_bits=12",
+                                 f"output_dir={tmp_path}", "--dry-run"], prog="zoomkv train")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "hash_bits" in err and "Traceback" not in err
+
+
+def test_the_ablation_script_ranks_every_coding(tmp_path, monkeypatch):
+    """``scripts/code_ablation.py`` on a tiny model: every coding gets a mass and a recall in [0, 1], and the exact
+    keys as a 'coding' (two stages with every row a candidate) capture the most."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import code_ablation
+
+    model, _ = load_model("tiny-llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    tensors = code_ablation.extract(model, ids, queries=3)
+    path = tmp_path / "p.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    adapters = {"trained:x": SeKVAdapter(model.config.num_hidden_layers, model.config.num_key_value_heads,
+                                         model.config.hidden_size // model.config.num_attention_heads, hash_bits=8)}
+    kinds = ["sign", "simhash-8", "orth-8", "pca-8", "trained:x"]
+    args = type("A", (), {"budget": 48, "sinks": 4, "recent": 16, "candidates": 4.0})()
+    result = code_ablation.evaluate([("t", 0, path)], kinds, adapters, args)
+    for kind in kinds:
+        prompt = result[kind]["per_prompt"][0]
+        assert 0 < prompt["mass"] <= 1 and 0 <= prompt["recall"] <= 1
+        assert prompt["two_stage"] >= prompt["mass"] - 0.05  # exact rescoring of candidates loses little
+    table = code_ablation.table(result, kinds, "sign", {k: 8 for k in kinds})
+    assert table.count("\n") == len(kinds) + 1
