@@ -189,3 +189,25 @@ def test_the_ablation_script_ranks_every_coding(tmp_path, monkeypatch):
         assert prompt["two_stage"] >= prompt["mass"] - 0.05  # exact rescoring of candidates loses little
     table = code_ablation.table(result, kinds, "sign", {k: 8 for k in kinds})
     assert table.count("\n") == len(kinds) + 1
+
+
+def test_code_bits_other_than_one_is_refused_with_a_hash(config):
+    with pytest.raises(ConfigError, match="trained hash of 16 bits"):
+        SeKV(adapter=SeKVAdapter(2, H, 16, hash_bits=16), code_bits=2)
+
+
+def test_the_fitted_start_reproduces_a_low_rank_query_key_product():
+    """``hash_init: fit``: where the query-key product has rank ``b``, the fitted projections (before their signs)
+    give it back exactly, and the key coordinates come out uncorrelated with unit variance."""
+    from zoomkv.methods.sekv.hashing import fit_projections
+
+    g = torch.Generator().manual_seed(0)
+    d, b = 16, 8
+    basis = torch.randn(d, b, generator=g, dtype=torch.float64)
+    keys = torch.randn(4000, b, generator=g, dtype=torch.float64) @ basis.T * 3  # keys in a b-dim subspace
+    queries = torch.randn(500, d, generator=g, dtype=torch.float64) + 1.0
+    key_proj, query_proj = fit_projections(queries.T @ queries / 500, keys.T @ keys / 4000, b)
+    z = keys.float() @ key_proj
+    torch.testing.assert_close((queries.float() @ query_proj) @ z.T, queries.float() @ keys.float().T,
+                               rtol=1e-3, atol=2e-2)
+    torch.testing.assert_close(z.T @ z / 4000, torch.eye(b), rtol=0, atol=2e-2)

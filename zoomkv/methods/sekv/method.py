@@ -21,6 +21,10 @@ adapter may move rows between layers (``layer_logit``: the layer budgets sum to 
 the index: counted in the device tier's bytes (10 bytes per row at head_dim 64 and one bit: 2% of fp32 KV,
 4% of fp16 KV), not in B. While the context fits the budget every row is attended: exactly full attention.
 
+With an adapter trained with ``hash_bits`` (``modules.py``), the index is the signs of the key's trained
+projections instead (``hash_bits / 8`` bytes and the RMS a row: 6 at 32 bits), scored against the query's trained
+projection; anchors and the second stage keep the rotated key's finer codes.
+
 Rows that join after compression (generated tokens, a follow-up question, later chunks of a chunked
 prefill) get the base code: their surprisal is not known when they arrive.
 
@@ -73,7 +77,8 @@ RESCORE_SOURCES = ("codes", "host")
 class SeKVConfig(MethodConfig):
     sinks: int = field(default=4, metadata={"help": "first tokens always attended exactly (attention sinks)"})
     recent: int = field(default=16, metadata={"help": "newest tokens always attended exactly"})
-    code_bits: int = field(default=1, metadata={"help": "bits per key coordinate in the index (1, 2, 4 or 8)"})
+    code_bits: int = field(default=1, metadata={"help": "bits per key coordinate in the index (1, 2, 4 or 8); an "
+                                                         "adapter's trained hash (hash_bits) is one bit a projection"})
     anchor_bits: int = field(
         default=4, metadata={"help": "bits per key coordinate for anchors, the surprising tokens (1, 2, 4 or 8)"}
     )
@@ -229,6 +234,9 @@ class SeKV(RecallableMethod):
             raise ConfigError(f"sekv takes a SeKVAdapter, not {type(adapter).__name__} (load a saved adapter with "
                               "ZoomAdapter.from_pretrained(path).make_method())")
         self.adapter: SeKVAdapter | None = adapter
+        if adapter is not None and adapter.hash_bits and self.config.code_bits != 1:
+            raise ConfigError(f"sekv: this adapter's index is a trained hash of {adapter.hash_bits} bits a row (one a "
+                              f"projection); code_bits={self.config.code_bits} does not apply to it")
         self._split: dict[tuple[int, int], list[int]] = {}
 
     def host_format(self) -> tuple[str, list[list[int]], str]:

@@ -37,6 +37,7 @@ import torch
 
 from zoomkv.memory.quant import FORMATS_HELP, is_format
 from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
+from zoomkv.methods.sekv.hashing import fit_projections, moments
 from zoomkv.methods.sekv.host import truncated
 from zoomkv.methods.sekv.host_bits import fit_host_bits
 from zoomkv.methods.sekv.method import HOST_KEY_BASES, RESCORE_SOURCES, SeKV, SeKVConfig
@@ -47,6 +48,7 @@ from zoomkv.protocol.shape import ModelShape
 from zoomkv.protocol.training import MethodTraining, RecipeOptions, Sample, finite_at_least
 
 ANCHOR_SHARPNESS = 4.0
+HASH_INITS = ("fit", "rotation")
 log = logging.getLogger(__name__)
 
 
@@ -300,6 +302,9 @@ class SeKVRecipe(RecipeOptions):
     # key projections (2 x layers x KV heads x head_dim x bits parameters) train at hash_lr
     hash_bits: int = 0
     hash_lr: float = 0.002
+    # where the hash starts: "fit", the projections closest to the query-key product on the teacher cache
+    # (hashing.py); "rotation", the layer's first hash_bits rotated coordinates (random hyperplanes)
+    hash_init: str = "fit"
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
     w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
@@ -341,6 +346,7 @@ class SeKVRecipe(RecipeOptions):
                      "with a host_format (the layout its bits are fitted in), e.g. host_format: kivi4")
         self.require("hash_bits", self.hash_bits == 0 or (self.hash_bits % 8 == 0 and 8 <= self.hash_bits <= 512),
                      "0 or a multiple of 8 in [8, head_dim]")
+        self.require("hash_init", self.hash_init in HASH_INITS, f"one of {HASH_INITS}")
         for key in ("gain_lr", "hash_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
@@ -368,6 +374,18 @@ class SeKVTraining(MethodTraining):
         return build_sekv_modules(shape, {"rotation_seed": recipe.options.rotation_seed,
                                           "hash_bits": recipe.options.hash_bits,
                                           "max_trainable_fraction": recipe.max_trainable_fraction})
+
+    def prepare(self, modules: SeKVAdapter, recipe: Any, samples: Sequence[Sample]) -> None:
+        """A trained hash starts from the projections fitted to the teacher cache (``hash_init: fit``)."""
+        if not modules.hash_bits or recipe.options.hash_init != "fit":
+            return
+        layers = samples[0]["layers"].tolist()
+        query_moment, key_moment = moments(samples, layers, modules.kv_heads)
+        key, query = fit_projections(query_moment, key_moment, modules.hash_bits)
+        with torch.no_grad():
+            modules.hash_key.copy_(key)
+            modules.hash_query.copy_(query)
+        log.info("hash of %d bits fitted to the teacher cache (%d samples)", modules.hash_bits, len(samples))
 
     def method_config(self, recipe: Any) -> SeKVConfig:
         return SeKVConfig(**self._method_kwargs(recipe))

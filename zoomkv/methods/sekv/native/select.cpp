@@ -125,6 +125,21 @@ class Scorer {
                   (t[1536 + ((c >> 48) & 255)] + t[1792 + (c >> 56)]));
         }
       }
+    } else if (bits_ == 1 && nbytes_ == 4 && rows == nullptr) {
+      // a 32-bit hash: a query at a time, one 4-byte load and four lookups per row
+      int64_t first = 0;
+#if defined(__AVX512F__)
+      first = score_rows32_avx512(codes, count, out);
+#endif
+      for (int64_t g = 0; g < group_; ++g) {
+        const float* t = tables_.data() + g * 1024;
+        float* o = out + g * count;
+        for (int64_t r = first; r < count; ++r) {
+          uint32_t c;
+          std::memcpy(&c, codes + r * 4, 4);
+          o[r] = (t[c & 255] + t[256 + ((c >> 8) & 255)]) + (t[512 + ((c >> 16) & 255)] + t[768 + (c >> 24)]);
+        }
+      }
     } else {
       for (int64_t i = 0; i < count; ++i) score(codes + (rows ? rows[i] : i) * nbytes_, out + i, count);
     }
@@ -172,6 +187,40 @@ class Scorer {
   }
 
 #if defined(__AVX512F__)
+  // 1 bit, 32 bits a row (a trained hash), sixteen rows at a time: one 64-byte load holds sixteen rows, a lane
+  // each; each of a row's 8 nibbles indexes a 16-entry table held in a register (vpermps).
+  int64_t score_rows32_avx512(const uint8_t* codes, int64_t count, float* out) {
+    const int64_t whole = count / 16 * 16;
+    if (whole == 0) return 0;
+    const float v = std::sqrt(2.0f / float(M_PI));
+    const __m512i low4 = _mm512_set1_epi32(15);
+    alignas(64) float nt[8][16];
+    for (int64_t g = 0; g < group_; ++g) {
+      const float* q = q_ + g * d_;
+      for (int p = 0; p < 8; ++p)
+        for (int value = 0; value < 16; ++value) {
+          float sum = 0.0f;
+          for (int i = 0; i < 4; ++i) sum += ((value >> i) & 1) ? q[4 * p + i] * v : -q[4 * p + i] * v;
+          nt[p][value] = sum;
+        }
+      __m512 t[8];
+      for (int p = 0; p < 8; ++p) t[p] = _mm512_load_ps(nt[p]);
+      float* o = out + g * count;
+      for (int64_t r = 0; r < whole; r += 16) {
+        const __m512i word = _mm512_loadu_si512(codes + r * 4);
+        __m512 acc0 = _mm512_permutexvar_ps(_mm512_and_si512(word, low4), t[0]);
+        __m512 acc1 = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(word, 4), low4), t[1]);
+        for (int p = 2; p < 8; p += 2) {
+          acc0 = _mm512_add_ps(acc0, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(word, 4 * p), low4), t[p]));
+          acc1 = _mm512_add_ps(acc1, _mm512_permutexvar_ps(
+                                         _mm512_and_si512(_mm512_srli_epi32(word, 4 * p + 4), low4), t[p + 1]));
+        }
+        _mm512_storeu_ps(o + r, _mm512_add_ps(acc0, acc1));
+      }
+    }
+    return whole;
+  }
+
   // 1 bit, head_dim 64, sixteen rows at a time: each of a row's 16 nibbles (4 coordinates) indexes a 16-entry
   // table that sits in one register (vpermps), so a lookup is a register permute, not a load. Returns the
   // rows done (a multiple of 16); the rest go through the byte tables.
