@@ -13,6 +13,7 @@ estimates every row's logit from its codes alone, the router's group vote picks 
 
 Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
 
+- ``exact``: the keys themselves (exact top-B: ``oracle_topk``, the upper bound of any index);
 - ``sign``: today's index, the signs of the centred key rotated by the layer's fixed random rotation (head_dim
   bits), the query through the adapter's gains (``--adapter`` without a hash; none: gains 1);
 - ``simhash-B``: the signs of ``B`` random hyperplanes (Gaussian, fixed seed), the query through the same ones;
@@ -127,6 +128,8 @@ def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict, hq: i
 def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, adapters: dict) -> torch.Tensor:
     """``[h, g, Q, n]`` estimated logits (before scaling) of every row for every query from the coding's codes."""
     h, n, d = keys.shape
+    if kind == "exact":  # the keys themselves: exact top-B, the selection's upper bound (oracle_topk)
+        return torch.matmul(queries.view(h, -1, d), keys.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
     pk, pq = projections(kind, layer, keys, adapters, queries.shape[0])
     x = torch.matmul(keys - keys.mean(1, keepdim=True), pk)  # [h, n, b]
     rows = decode(*encode(x, 1), 1)
@@ -209,7 +212,8 @@ def table(result: dict, kinds: list[str], reference: str, bits: dict[str, int]) 
         layer_means = {layer: sum(v) / len(v) for layer, v in r["mass"].items()}
         ref_means = {layer: sum(v) / len(v) for layer, v in ref.items()}
         above = sum(layer_means[layer] >= ref_means[layer] - 1e-9 for layer in layer_means)
-        lines.append(f"| {kind} | {bits[kind]} | {bits[kind] // 8 + 2} | {mass[0]:.3f} ± {mass[1]:.3f} | "
+        size = "–" if kind == "exact" else bits[kind] // 8 + 2
+        lines.append(f"| {kind} | {bits[kind]} | {size} | {mass[0]:.3f} ± {mass[1]:.3f} | "
                      f"{recall[0]:.3f} ± {recall[1]:.3f} | {two[0]:.3f} ± {two[1]:.3f} | {above} / {len(layer_means)} |")
     return "\n".join(lines)
 
@@ -237,11 +241,11 @@ def main() -> None:
     paths = build_prompts(args)
     from zoomkv.adapters.model import ZoomAdapter
 
-    adapters, kinds, bits = {}, ["sign"], {}
+    adapters, kinds, bits = {}, ["exact", "sign"], {}
     with torch.no_grad():
         probe = load_file(str(paths[0][2]))
     d = next(v for k, v in probe.items() if k.startswith("k.")).shape[-1]
-    bits["sign"] = d
+    bits["sign"], bits["exact"] = d, 16 * d  # exact: the fp16 key (no index bytes: it reads the host rows)
     for b in (int(x) for x in args.bits.split(",") if x):
         for name in ("simhash", "orth", "pca"):
             kinds.append(f"{name}-{b}")

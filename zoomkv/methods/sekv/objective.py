@@ -304,7 +304,7 @@ class SeKVRecipe(RecipeOptions):
     hash_lr: float = 0.002
     # where the hash starts: "fit", the projections closest to the query-key product on the teacher cache
     # (hashing.py); "rotation", the layer's first hash_bits rotated coordinates (random hyperplanes)
-    hash_init: str = "fit"
+    hash_init: str = "rotation"
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     w_rank: float = 1.0
     w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
