@@ -258,3 +258,23 @@ def test_the_gpu_step_selects_what_the_cpu_step_selects(tiny, name):
     cpu_model, _ = load_model(tiny.zoomkv_name)
     on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, name, 40), new=12)
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences), name
+
+
+def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
+    """sekv's trained hash index (one format for both devices): the GPU's torch step and Triton scorer give the
+    greedy tokens of the compiled CPU step."""
+    from zoomkv.methods.sekv.method import SeKV
+    from zoomkv.methods.sekv.modules import SeKVAdapter
+
+    cfg = tiny.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    adapter = SeKVAdapter(cfg.num_hidden_layers, cfg.num_key_value_heads, d, hash_bits=8)
+    with torch.no_grad():
+        adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
+        adapter.hash_query.mul_(1.5)
+    ids, mask = _batch(tiny, lengths=(90, 61))
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(adapter=adapter), 40), new=12)
+    cpu_model, _ = load_model(tiny.zoomkv_name)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(adapter=adapter), 40), new=12)
+    assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)

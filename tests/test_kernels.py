@@ -54,7 +54,7 @@ def test_without_a_kernel_the_reference_runs():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 4), (96, 1)])
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 4), (96, 1), (32, 3), (16, 2)])  # 32, 16: a trained hash
 def test_score_codes_kernel_matches_the_byte_tables(interpreter, monkeypatch, bits, dim, groups):
     g = torch.Generator().manual_seed(bits * dim)
     keys = torch.randn(2, 3, 70, dim, generator=g)
