@@ -137,6 +137,10 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"--samples 20 --out {out}/hash-heldout-4k-c8",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32')} --method-arg anchor_fraction=0 "
             f"--budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k-a0",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --budgets 128,256 "
+            f"--tasks niah_single_2,niah_multikey_1 --length 8000 --samples 20 --out {out}/hash-heldout-8k",
+            f"zoomkv bench --model {MODEL} --length 8100 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
+            "--budgets 128 --new-tokens 32 --repeats 2 --no-warmup",
             f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
             f"--adapter {adapter('sekv-hash32-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
             ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8"]),
