@@ -22,6 +22,10 @@ losses, each for one module:
   ``log(count) + bias``; the relative squared error of that output against the teacher's attention output;
 - **rank budget**: ``w_host`` times how far the share of principal directions kept exceeds
   ``host_rank_target`` (1: no cut), so the gates choose which directions of which layer go.
+
+With ``hash_bits`` the rows that are not anchors are scored from the trained hash instead (``hash_query``
+against the signs of ``hash_key``'s projections); the ranking loss reaches both projections straight through the
+signs (the forward pass keeps the codes inference keeps).
 """
 
 from __future__ import annotations
@@ -356,7 +360,8 @@ _METHOD_KEYS = tuple(f.name for f in fields(SeKVConfig))
 
 class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
-    size_hint = "sekv's modules are sized by the model (layers x KV heads x head_dim): nothing to lower"
+    size_hint = ("sekv's modules are sized by the model (layers x KV heads x head_dim); a trained hash adds "
+                 "2 x layers x KV heads x head_dim x hash_bits: fewer hash_bits, or none")
     module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "hash_bits", "max_trainable_fraction")
     # code_gain is a log gain (exp(30) ~ 1e13 already drowns every other coordinate); the logits' biases
     # saturate a softmax long before 50
