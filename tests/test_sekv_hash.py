@@ -211,3 +211,23 @@ def test_the_fitted_start_reproduces_a_low_rank_query_key_product():
     torch.testing.assert_close((queries.float() @ query_proj) @ z.T, queries.float() @ keys.float().T,
                                rtol=1e-3, atol=2e-2)
     torch.testing.assert_close(z.T @ z / 4000, torch.eye(b), rtol=0, atol=2e-2)
+
+
+def test_the_candidates_loss_pulls_a_missed_row_into_the_candidates():
+    """``w_recall``'s loss: zero gradient while the teacher's top row is among the candidates, a push up on its
+    estimate (and down on none of the others') when the index ranks it out."""
+    from zoomkv.methods.sekv.objective import candidate_miss
+
+    n = 50
+    region = torch.ones(n, dtype=torch.bool)
+    teacher = torch.full((1, 1, n), 0.1 / (n - 1))
+    teacher[..., 2] = 0.9
+    inside = torch.linspace(100, 0, n)[None, None].clone().requires_grad_(True)  # row 2 ranks 3rd of 8 candidates
+    candidate_miss(inside, teacher, region, rows=2, candidates=4.0).backward()
+    missed = torch.linspace(100, 0, n)[None, None]
+    missed[..., 2] = -5.0
+    missed.requires_grad_(True)
+    loss = candidate_miss(missed, teacher, region, rows=2, candidates=4.0)
+    loss.backward()
+    assert inside.grad[..., 2].abs() < 1e-3 < missed.grad[..., 2].abs()
+    assert missed.grad[..., 2] < 0 and loss > 1.0  # gradient descent raises the missed row's estimate

@@ -212,12 +212,28 @@ class Losses:
     split: torch.Tensor
     out: torch.Tensor
     kept: torch.Tensor  # (logged) teacher mass the selection captures at the layer's budget
+    recall: torch.Tensor | None = None  # the teacher's top rows the first stage leaves out of the candidates
+
+
+def candidate_miss(logits: torch.Tensor, teacher: torch.Tensor, region: torch.Tensor, rows: int,
+                   candidates: float) -> torch.Tensor:
+    """Per query head, the teacher's ``rows`` heaviest rows of ``region``, each weighted by its mass: a softplus of
+    how far its estimated logit (``logits`` ``[h, g, n]``) falls below the ``candidates × rows``-th best, the last
+    row the exact second stage gets to see. Zero gradient for rows well inside the candidates."""
+    inside = int(region.sum())
+    k, m = max(1, min(inside, rows)), max(1, min(inside, math.ceil(candidates * rows)))
+    est = logits.masked_fill(~region, float("-inf"))
+    threshold = est.topk(m, -1).values[..., -1:].detach()
+    top = teacher.masked_fill(~region, -1.0).topk(k, -1)
+    weight = top.values.clamp_min(0)
+    miss = torch.nn.functional.softplus(threshold - est.gather(-1, top.indices))
+    return (weight * miss).sum() / weight.sum().clamp_min(1e-9)
 
 
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                     teacher: torch.Tensor, surprisal: torch.Tensor, t: int, scaling: float, budget: int,
                     cfg: SeKVConfig, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    gate_values: bool = True) -> Losses | None:
+                    gate_values: bool = True, with_recall: bool = False) -> Losses | None:
     """Losses at query position ``t`` of adapter layer ``layer``: ``keys``/``values`` ``[h, T, d]``,
     ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities, ``rope``: the rows' ``cos, sin``
     ``[T, d]`` (for a host tier that takes keys before RoPE), ``gate_values``: False keeps every value
@@ -251,6 +267,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     vote = selection_order(adapter, layer, student, query, scaling, logits, region, max(1, whole), cfg)  # [h, n]
     kept = captured_mass(a, vote, rows, region)
     split = -torch.log(kept.clamp_min(1e-6))
+    recall = candidate_miss(logits, a, region, max(1, whole), cfg.candidates) if with_recall else None
     with torch.no_grad():  # inference's selection at the layer's (integer) budget
         k = max(0, min(int(region.sum()), whole))
         chosen = ~region.expand(h, -1).clone()
@@ -273,7 +290,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     student_out = summary_output(adapter, layer, kx, v, query, chosen, scaling, stored, summary=cfg.summary_row)
     teacher_out = torch.matmul(a, v)
     out = ((student_out - teacher_out).pow(2).sum(-1) / teacher_out.pow(2).sum(-1).clamp_min(1e-6)).mean()
-    return Losses(rank, anchor, split, out, kept.detach())
+    return Losses(rank, anchor, split, out, kept.detach(), recall)
 
 
 def sample_rope(sample: Sample, layer: int, length: int, cfg: SeKVConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -310,6 +327,9 @@ class SeKVRecipe(RecipeOptions):
     # (hashing.py); "rotation", the layer's first hash_bits rotated coordinates (random hyperplanes)
     hash_init: str = "rotation"
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
+    # the first stage's recall: the teacher's top rows it leaves out of the candidates the second stage rescores
+    # (candidate_miss), for an index that must find the rows rather than rank them all (0: off)
+    w_recall: float = 0.0
     w_rank: float = 1.0
     w_anchor: float = 0.05  # device bytes of the anchors' finer codes, per share of rows made anchors
     w_split: float = 0.1
@@ -351,7 +371,7 @@ class SeKVRecipe(RecipeOptions):
         self.require("hash_bits", self.hash_bits == 0 or (self.hash_bits % 8 == 0 and 8 <= self.hash_bits <= 512),
                      "0 or a multiple of 8 in [8, head_dim]")
         self.require("hash_init", self.hash_init in HASH_INITS, f"one of {HASH_INITS}")
-        for key in ("gain_lr", "hash_lr", "gate_lr", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
+        for key in ("gain_lr", "hash_lr", "gate_lr", "w_recall", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
 
@@ -435,7 +455,8 @@ class SeKVTraining(MethodTraining):
         o, mcfg = recipe.options, self.method_config(recipe)
         all_layers = sample["layers"].tolist()
         scaling = float(sample["scaling"])
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("rank", "anchor", "split", "out", "kept")}
+        names = ("rank", "anchor", "split", "out", "kept") + (("recall",) if o.w_recall else ())
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         for layer in layers:
             pos = all_layers.index(layer)
             keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
@@ -443,7 +464,8 @@ class SeKVTraining(MethodTraining):
             for p, t in enumerate(sample["positions"].tolist()):
                 losses = position_losses(modules, pos, keys, values, sample[f"q.{layer}"][:, p],
                                          sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
-                                         recipe.budget, mcfg, rope, gate_values=o.host_rank_values)
+                                         recipe.budget, mcfg, rope, gate_values=o.host_rank_values,
+                                         with_recall=bool(o.w_recall))
                 if losses is not None:
                     for k in parts:
                         parts[k].append(getattr(losses, k))
@@ -459,6 +481,8 @@ class SeKVTraining(MethodTraining):
         host = kept_share(modules.rank_gate[pos][:, gated])
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
                 + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
+        if o.w_recall:
+            loss = loss + o.w_recall * mean["recall"]
         kept_dirs = float((modules.rank_gate[:, gated] > 0).float().mean())
         logs = {k: v.item() for k, v in mean.items()} | {"host_rank": kept_dirs, "loss": loss.item()}
         return loss, logs
