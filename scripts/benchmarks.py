@@ -80,6 +80,7 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
     *(Prerequisite(f"sekv-hash{bits}", f"zoomkv train --recipe {HASH} run_name=sekv-hash{bits} hash_bits={bits} "
                                          f"max_trainable_fraction=0.01 resume=latest") for bits in (16, 32, 64)),
     Prerequisite("sekv-hash32-fit", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-fit hash_init=fit resume=latest"),
+    Prerequisite("sekv-hash32-r1", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-r1 w_recall=1 resume=latest"),
     Prerequisite("sekv-hash32-c8", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-c8 "
                                    f"init_adapter={adapter('sekv-hash32')} steps=0 candidates=8 eval_samples=0"),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
@@ -137,13 +138,16 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"--samples 20 --out {out}/hash-heldout-4k-c8",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32')} --method-arg anchor_fraction=0 "
             f"--budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k-a0",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32-r1')} --budgets 128 {HELDOUT} "
+            f"--samples 20 --out {out}/hash-heldout-4k-r1",
             f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --budgets 128,256 "
             f"--tasks niah_single_2,niah_multikey_1 --length 8000 --samples 20 --out {out}/hash-heldout-8k",
             f"zoomkv bench --model {MODEL} --length 8100 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
             "--budgets 128 --new-tokens 32 --repeats 2 --no-warmup",
             f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
             f"--adapter {adapter('sekv-hash32-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
-            ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8"]),
+            ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8",
+             "sekv-hash32-r1"]),
         Table("gemma", "Gemma 3 270M", [
             f"zoomkv eval --model gemma3-270m --methods full,oracle_topk,oracle_topk+tail,sekv,snapkv,quest "
             f"--adapter {GEMMA} --budgets 128 {HELDOUT} --samples 20 --out {out}/gemma"],
