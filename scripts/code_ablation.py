@@ -97,7 +97,7 @@ def build_prompts(args) -> list[tuple[str, int, torch.Tensor]]:
 
 
 # -- codings: per layer, (key projection, query projection) [h, d, b] for a sequence's centred keys -----------
-def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict) -> tuple[torch.Tensor, torch.Tensor]:
     h, _, d = keys.shape
     if kind == "sign" or kind.startswith("sign:"):
         adapter = adapters.get(kind.partition(":")[2])
@@ -130,7 +130,7 @@ def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, 
     h, n, d = keys.shape
     if kind == "exact":  # the keys themselves: exact top-B, the selection's upper bound (oracle_topk)
         return torch.matmul(queries.view(h, -1, d), keys.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
-    pk, pq = projections(kind, layer, keys, adapters, queries.shape[0])
+    pk, pq = projections(kind, layer, keys, adapters)
     x = torch.matmul(keys - keys.mean(1, keepdim=True), pk)  # [h, n, b]
     rows = decode(*encode(x, 1), 1)
     q = torch.matmul(queries.view(h, -1, d), pq)  # [h, g·Q, b]
@@ -171,16 +171,16 @@ def evaluate(paths, kinds: list[str], adapters: dict, args) -> dict:
         for pos, layer in enumerate(layers):
             keys = tensors[f"k.{layer}"].float()
             queries = tensors[f"q.{layer}"].float()  # [hq, Q, d]
-            attn = tensors[f"attn.{layer}"].float()  # [hq, Q, T]
-            h, n = keys.shape[0], keys.shape[1]
-            exact = torch.matmul(queries, keys.repeat_interleave(queries.shape[0] // h, 0).transpose(-1, -2)) * scaling
+            h, n, count = keys.shape[0], keys.shape[1], queries.shape[1]
+            attn = tensors[f"attn.{layer}"].float().view(h, -1, count, n)  # [h, g, Q, T]
+            exact = torch.matmul(queries, keys.repeat_interleave(queries.shape[0] // h, 0).transpose(-1, -2))
+            exact = (exact * scaling).view(h, -1, count, n)
+            seen = [n - (count - 1 - j) for j in range(count)]  # the rows query j reads (causal)
             for kind in kinds:
                 est = estimates(kind, pos, keys, queries, adapters) * scaling  # [h, g, Q, n]
-                got = [selection_scores(est[:, :, j, : n - (queries.shape[1] - 1 - j)],
-                                        attn.view(h, -1, queries.shape[1], n)[:, :, j, : n - (queries.shape[1] - 1 - j)],
-                                        args.budget, args.sinks, args.recent, args.candidates,
-                                        exact.view(h, -1, queries.shape[1], n)[:, :, j, : n - (queries.shape[1] - 1 - j)])
-                       for j in range(queries.shape[1])]
+                got = [selection_scores(est[:, :, j, :upto], attn[:, :, j, :upto], args.budget, args.sinks,
+                                        args.recent, args.candidates, exact[:, :, j, :upto])
+                       for j, upto in enumerate(seen)]
                 for slot, name in enumerate(("mass", "recall", "two_stage")):
                     value = sum(x[slot] for x in got) / len(got)
                     result[kind][name].setdefault(str(pos), []).append(value)
@@ -242,8 +242,7 @@ def main() -> None:
     from zoomkv.adapters.model import ZoomAdapter
 
     adapters, kinds, bits = {}, ["exact", "sign"], {}
-    with torch.no_grad():
-        probe = load_file(str(paths[0][2]))
+    probe = load_file(str(paths[0][2]))
     d = next(v for k, v in probe.items() if k.startswith("k.")).shape[-1]
     bits["sign"], bits["exact"] = d, 16 * d  # exact: the fp16 key (no index bytes: it reads the host rows)
     for b in (int(x) for x in args.bits.split(",") if x):

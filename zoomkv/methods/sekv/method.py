@@ -530,9 +530,9 @@ class SeKV(RecallableMethod):
         dev, c = memory.device_tier, self.config
         fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
         if "hash_key" in dev:  # the trained hash's signs; the second stage's finer codes of the rotated key
-            codes, rms = encode(torch.matmul(key.float() - dev["code_mean"], dev["hash_key"]), 1)
-            fine, fine_rms = (encode(torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"]), fine_bits)
-                              if fine_bits else (None, None))
+            centred = key.float() - dev["code_mean"]
+            codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1)
+            fine, fine_rms = encode(torch.matmul(centred, dev["code_rotation"]), fine_bits) if fine_bits else (None, None)
         elif native.usable(key):  # both code widths in one compiled pass
             codes, rms, fine, fine_rms = native.encode(key, dev["code_mean"], dev["code_rotation"], c.code_bits,
                                                        fine_bits)

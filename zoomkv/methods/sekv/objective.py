@@ -74,7 +74,8 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     h, _, d = keys.shape
     k = keys[:, :n].float()
     rot = rotation(d, adapter.rotation_seed_of(layer), k.device)
-    x = torch.matmul(k - k.mean(1, keepdim=True), rot)
+    centred = k - k.mean(1, keepdim=True)
+    x = torch.matmul(centred, rot)
     with torch.no_grad():
         coarse = decode(*encode(x, cfg.code_bits), cfg.code_bits)
         fine = decode(*encode(x, cfg.anchor_bits), cfg.anchor_bits)
@@ -100,7 +101,7 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     anchor = hard + (soft - soft.detach()) * region
     hashed = None
     if adapter.hash_bits:
-        z = torch.matmul(k - k.mean(1, keepdim=True), adapter.hash_key[layer])  # [h, n, b]
+        z = torch.matmul(centred, adapter.hash_key[layer])  # [h, n, b]
         with torch.no_grad():
             signs = decode(*encode(z, 1), 1)
         hashed = signs + (z - z.detach())  # straight-through: the sign's gradient taken as the identity's

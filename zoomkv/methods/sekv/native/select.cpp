@@ -187,24 +187,31 @@ class Scorer {
   }
 
 #if defined(__AVX512F__)
+  // Query g's 16-entry tables, one per nibble (4 coordinates) of a 1-bit code, each in a register: t[p][value] is
+  // the query's dot product with the levels nibble p = value stands for.
+  void nibble_tables(int64_t g, int nibbles, __m512* t) const {
+    const float v = std::sqrt(2.0f / float(M_PI));
+    const float* q = q_ + g * d_;
+    alignas(64) float nt[16];
+    for (int p = 0; p < nibbles; ++p) {
+      for (int value = 0; value < 16; ++value) {
+        float sum = 0.0f;
+        for (int i = 0; i < 4; ++i) sum += ((value >> i) & 1) ? q[4 * p + i] * v : -q[4 * p + i] * v;
+        nt[value] = sum;
+      }
+      t[p] = _mm512_load_ps(nt);
+    }
+  }
+
   // 1 bit, 32 bits a row (a trained hash), sixteen rows at a time: one 64-byte load holds sixteen rows, a lane
   // each; each of a row's 8 nibbles indexes a 16-entry table held in a register (vpermps).
   int64_t score_rows32_avx512(const uint8_t* codes, int64_t count, float* out) {
     const int64_t whole = count / 16 * 16;
     if (whole == 0) return 0;
-    const float v = std::sqrt(2.0f / float(M_PI));
     const __m512i low4 = _mm512_set1_epi32(15);
-    alignas(64) float nt[8][16];
     for (int64_t g = 0; g < group_; ++g) {
-      const float* q = q_ + g * d_;
-      for (int p = 0; p < 8; ++p)
-        for (int value = 0; value < 16; ++value) {
-          float sum = 0.0f;
-          for (int i = 0; i < 4; ++i) sum += ((value >> i) & 1) ? q[4 * p + i] * v : -q[4 * p + i] * v;
-          nt[p][value] = sum;
-        }
       __m512 t[8];
-      for (int p = 0; p < 8; ++p) t[p] = _mm512_load_ps(nt[p]);
+      nibble_tables(g, 8, t);
       float* o = out + g * count;
       for (int64_t r = 0; r < whole; r += 16) {
         const __m512i word = _mm512_loadu_si512(codes + r * 4);
@@ -227,21 +234,12 @@ class Scorer {
   int64_t score_rows_avx512(const uint8_t* codes, int64_t count, float* out) {
     const int64_t whole = count / 16 * 16;
     if (whole == 0) return 0;
-    const float v = std::sqrt(2.0f / float(M_PI));
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i low4 = _mm512_set1_epi32(15);
-    alignas(64) float nt[16][16];
     for (int64_t g = 0; g < group_; ++g) {
-      const float* q = q_ + g * d_;
-      for (int p = 0; p < 16; ++p)
-        for (int value = 0; value < 16; ++value) {
-          float sum = 0.0f;
-          for (int i = 0; i < 4; ++i) sum += ((value >> i) & 1) ? q[4 * p + i] * v : -q[4 * p + i] * v;
-          nt[p][value] = sum;
-        }
       __m512 t[16];
-      for (int p = 0; p < 16; ++p) t[p] = _mm512_load_ps(nt[p]);
+      nibble_tables(g, 16, t);
       float* o = out + g * count;
       for (int64_t r = 0; r < whole; r += 16) {
         const __m512i a = _mm512_loadu_si512(codes + r * 8);
