@@ -144,3 +144,41 @@ def test_eviction_extend_in_one_gather_equals_row_by_row(name, stored, capacity,
     method.extend(at_once, new, new * 2)
     for key in ("keys", "values", "scores"):
         assert torch.equal(one_by_one.device_tier[key], at_once.device_tier[key]), key
+
+
+def test_query_blocks_cover_every_position_within_the_bound(monkeypatch):
+    from zoomkv.protocol import method as protocol
+
+    query = torch.randn(2, 6, 50, 8)
+    assert [b is query for b in protocol.query_blocks(query, 1000)] == [True]  # a decode step: one block, no copy
+    monkeypatch.setattr(protocol, "SCORES_AT_ONCE", 2 * 6 * 7 * 100)
+    blocks = list(protocol.query_blocks(query, 100))
+    assert [b.shape[2] for b in blocks] == [7] * 7 + [1]
+    assert torch.equal(torch.cat(blocks, dim=2), query)
+
+
+@pytest.mark.parametrize("name", ["sekv", "sekv-torch", "oracle_topk", "oracle_topk-max", "quest", "quest-max"])
+def test_a_long_chunk_scored_a_block_at_a_time_gives_the_same_answers(tiny, name, monkeypatch):
+    """A chunk's votes summed block by block, and its attention a block of positions at a time, are the
+    chunk scored at once (what keeps a 4K chunk over 32K rows from holding every query's scores)."""
+    from zoomkv import native
+    from zoomkv.protocol import method as protocol
+
+    model, _ = tiny
+    ids, mask = _batch(model.config.vocab_size, lengths=(200, 170))
+    method, _, variant = name.partition("-")
+    kwargs = {"group_score": "max"} if variant == "max" else {}  # oracle_topk and quest: the largest vote
+
+    def run():
+        cache = ZoomCache(model, get_method(method, **kwargs), 48, prefill_chunk=64)
+        if variant != "torch":
+            return turns(model, cache, ids, mask, [40])
+        with native.torch_path():
+            return turns(model, cache, ids, mask, [40])
+
+    whole = run()
+    monkeypatch.setattr(protocol, "SCORES_AT_ONCE", 1)  # one query position a block
+    blocked = run()
+    for a, b in zip(blocked, whole, strict=True):
+        assert torch.equal(a.sequences, b.sequences), name
+        assert max_logit_diff(a.scores, b.scores) < 1e-4, name

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
-from zoomkv.protocol.method import PrefillContext, Selection
+from zoomkv.protocol.method import PrefillContext, Selection, query_blocks
 from zoomkv.protocol.phases import phase
 
 ATTENTION_NAME = "zoomkv"
@@ -74,19 +74,32 @@ def attend(query: torch.Tensor, sel: Selection, scaling: float) -> torch.Tensor:
 def attend_extension(query: torch.Tensor, sel: Selection, key: torch.Tensor, value: torch.Tensor,
                      scaling: float) -> torch.Tensor:
     """New queries ``[b, hq, n, d]`` over the selected stored rows (all earlier than them) and their own rows
-    ``key``/``value`` ``[b, kv, n, d]`` causally, in one softmax. Returns ``[b, n, hq, dv]``."""
+    ``key``/``value`` ``[b, kv, n, d]`` causally, in one softmax. Returns ``[b, n, hq, dv]``. A long chunk goes
+    a block of positions at a time (``query_blocks``): its mask never spans every query against every row."""
+    width = sel.keys.shape[2] + key.shape[2]
+    outs, start = [], 0
+    for block in query_blocks(query, width):
+        end = start + block.shape[2]
+        outs.append(_attend_block(block, sel, key[:, :, :end], value[:, :, :end], scaling, start))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _attend_block(query: torch.Tensor, sel: Selection, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                  start: int) -> torch.Tensor:
+    """``attend_extension`` for the new positions ``start ..`` (``query``), whose own rows so far are ``key``."""
     b, hq, n, d = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, own = key.shape[1], key.shape[2]
     groups = hq // kv_heads
-    grouped = query.reshape(b, kv_heads, groups * n, d)  # row r is query position r % n of its group
+    grouped = query.reshape(b, kv_heads, groups * n, d)  # row r is query position start + r % n of its group
     stored = sel.keys.shape[2]
     keys = torch.cat([sel.keys, key.to(sel.keys.dtype)], dim=2)
     values = torch.cat([sel.values, value.to(sel.values.dtype)], dim=2)
-    mask = torch.zeros(b, kv_heads, groups * n, stored + n, dtype=query.dtype, device=query.device)
+    mask = torch.zeros(b, kv_heads, groups * n, stored + own, dtype=query.dtype, device=query.device)
     if sel.bias is not None:
         mask[..., :stored] = sel.bias.to(query.dtype)[:, :, None, :]
-    pos = torch.arange(groups * n, device=query.device) % n
-    later = torch.arange(n, device=query.device)[None, :] > pos[:, None]  # [g*n, n]: the chunk's future rows
+    pos = start + torch.arange(groups * n, device=query.device) % n
+    later = torch.arange(own, device=query.device)[None, :] > pos[:, None]  # [g*n, own]: the chunk's future rows
     mask[..., stored:] = mask[..., stored:].masked_fill(later, float("-inf"))
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, n, -1).transpose(1, 2)

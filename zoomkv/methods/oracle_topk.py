@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zoomkv.protocol.method import KVMethod, MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.method import (
+    KVMethod,
+    MethodConfig,
+    PrefillContext,
+    Selection,
+    group_query,
+    summed_over_queries,
+)
 from zoomkv.protocol.recallable import (
     append_valid,
     host_valid,
@@ -53,16 +60,19 @@ class OracleTopK(KVMethod):
         keys = memory.host_tier["keys"].rows_on(query.device)
         n = keys.shape[2]
         k = min(memory.meta["budget"], n)
-        q = group_query(query, keys.shape[1])  # [b, h, g, d]
-        logits = torch.matmul(q, keys.transpose(-1, -2)).float() * memory.meta.get("scaling", 1.0)  # [b, h, g, n]
         valid = host_valid(memory)  # [b, 1, n]
         if valid is not None:
             valid = valid.to(keys.device)
-            logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-        if self.config.group_score == "max":
-            score = logits.amax(dim=2)
-        else:
-            score = torch.softmax(logits, dim=-1).sum(dim=2)
+        keys_t, scaling = keys.transpose(-1, -2), memory.meta.get("scaling", 1.0)
+        largest = self.config.group_score == "max"
+
+        def vote(block: torch.Tensor) -> torch.Tensor:  # [b, h, n] from a block of the query's positions
+            logits = torch.matmul(group_query(block, keys.shape[1]), keys_t).float() * scaling  # [b, h, g·q, n]
+            if valid is not None:
+                logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+            return logits.amax(dim=2) if largest else torch.softmax(logits, dim=-1).sum(dim=2)
+
+        score = summed_over_queries(vote, query, n, largest=largest)
         idx = None
         if k < n:
             # Sorted so that rows keep sequence order (at budgets covering everything: exactly full attention).

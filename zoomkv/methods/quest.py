@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
 from zoomkv.memory.tiers import RowBuffer
-from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query, summed_over_queries
 from zoomkv.protocol.recallable import (
     RecallableMethod,
     check_dense_layers,
@@ -156,9 +156,13 @@ class Quest(RecallableMethod):
         # does the page granularity apply. n > budget ≥ k·ps guarantees k < pages.
         if n > budget:
             k = budget // ps
-            q = group_query(query, kv_heads)  # [b, h, g, d]
-            bound = page_upper_bound(q, page_min, memory.device_tier["page_max"].view())  # [b, h, g, P]
-            score = bound.amax(dim=2) if self.config.group_score == "max" else bound.sum(dim=2)
+            page_max, largest = memory.device_tier["page_max"].view(), self.config.group_score == "max"
+
+            def vote(block: torch.Tensor) -> torch.Tensor:  # [b, h, P] from a block of the query's positions
+                bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)  # [b, h, g·q, P]
+                return bound.amax(dim=2) if largest else bound.sum(dim=2)
+
+            score = summed_over_queries(vote, query, pages, largest=largest)
             if "page_valid" in memory.device_tier:
                 live = memory.device_tier["page_valid"].view()[:, :, :, 0]  # [b, 1, P]
                 score = score.masked_fill(~live, float("-inf"))

@@ -13,7 +13,7 @@ import decimal
 import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -324,3 +324,29 @@ def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     ``h // groups``, as in transformers' ``repeat_kv``."""
     b, hq, q, d = query.shape
     return query.reshape(b, kv_heads, (hq // kv_heads) * q, d)
+
+
+# Scores held at once when many new tokens score every row (a chunk of a long prefill, a question): a chunk of
+# 4,096 tokens over 32K rows in batch 8 would otherwise hold 137 GB of fp32 logits in one tensor.
+SCORES_AT_ONCE = 1 << 25
+
+
+def query_blocks(query: torch.Tensor, width: int) -> Iterator[torch.Tensor]:
+    """``query`` ``[batch, q_heads, q, d]`` a block of positions at a time, so that its scores against ``width``
+    rows stay near ``SCORES_AT_ONCE`` elements (one block, the query itself, at a decode step)."""
+    b, hq, q, _ = query.shape
+    step = max(1, SCORES_AT_ONCE // max(1, b * hq * width))
+    for start in range(0, q, step):
+        yield query if step >= q else query[:, :, start:start + step]
+
+
+def summed_over_queries(score: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, width: int,
+                        largest: bool = False) -> torch.Tensor:
+    """``score(block)`` over ``query_blocks``, summed (``largest``: the elementwise maximum): a vote over a
+    group's query rows (``score`` reduces its block's rows, e.g. ``softmax(...).sum(2)``) without the whole
+    ``[b, h, g·q, width]`` at once."""
+    total = None
+    for block in query_blocks(query, width):
+        part = score(block)
+        total = part if total is None else torch.maximum(total, part) if largest else total.add_(part)
+    return total

@@ -52,7 +52,7 @@ from zoomkv.methods.sekv.codes import BITS, encode, rotation, score_codes
 from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
 from zoomkv.protocol import rotary
-from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query
+from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query, summed_over_queries
 from zoomkv.protocol.phases import phase
 from zoomkv.protocol.recallable import (
     RecallableMethod,
@@ -588,8 +588,9 @@ class SeKV(RecallableMethod):
         codes, rms = dev["cand_codes"][:, :, :m], dev["cand_rms"][:, :, :m]
         host["fine_codes"].gather(cand, out=codes)  # on a GPU read from pinned memory by a kernel: no host wait
         host["fine_rms"].gather(cand, out=rms)
-        logits = score_codes(self.rotated_query(memory, query), codes, rms, self.config.rescore_bits)
-        vote = torch.softmax(logits * memory.meta["scaling"], -1).sum(2)
+        scaling, bits = memory.meta["scaling"], self.config.rescore_bits
+        vote = summed_over_queries(lambda q: torch.softmax(
+            score_codes(self.rotated_query(memory, q), codes, rms, bits) * scaling, -1).sum(2), query, m)
         vote = torch.where(torch.isinf(first), first, vote)
         return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
@@ -599,10 +600,14 @@ class SeKV(RecallableMethod):
         the rescoring when ``m > k``."""
         h = memory.device_tier["code_mean"].shape[1]
         valid = host_valid(memory)
-        logits = self.router_scores(memory, query)
-        if valid is not None:
-            logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-        vote = torch.softmax(logits, -1).sum(2)  # [b, h, n]: the group's mass on each row
+
+        def mass(q: torch.Tensor) -> torch.Tensor:  # [b, h, n]: the group's mass on each row
+            logits = self.router_scores(memory, q)
+            if valid is not None:
+                logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+            return torch.softmax(logits, -1).sum(2)
+
+        vote = summed_over_queries(mass, query, n)
         c = self.config
         if c.sinks:
             sinks = memory.device_tier["sink_pos"][:, None, :].expand(-1, h, -1)
@@ -626,9 +631,9 @@ class SeKV(RecallableMethod):
         them); the ``k`` best by the group's summed softmax, forced rows (``forced``) kept, padding out."""
         h = memory.device_tier["code_mean"].shape[1]
         keys = memory.host_tier["keys"].gather(cand).to(query.device)  # on a GPU: read there from pinned memory
-        q = group_query(query, h).float()  # [b, h, g·q, d]
-        logits = torch.matmul(q, keys.float().transpose(-1, -2)) * memory.meta["scaling"]
-        vote = torch.softmax(logits, -1).sum(2)
+        keys_t, scaling = keys.float().transpose(-1, -2), memory.meta["scaling"]
+        vote = summed_over_queries(lambda q: torch.softmax(
+            torch.matmul(group_query(q, h).float(), keys_t) * scaling, -1).sum(2), query, cand.shape[-1])
         valid = host_valid(memory)
         if valid is not None:
             vote = vote.masked_fill(~valid.expand(-1, h, -1).gather(-1, cand), float("-inf"))
