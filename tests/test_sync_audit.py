@@ -148,3 +148,11 @@ def test_copies_between_devices_are_named():
     assert classify("aten::_to_copy", (cpu,), {"device": torch.device("cuda", 0), "non_blocking": True}) is None
     assert classify("aten::_to_copy", (cpu,), to_cpu) is None
     assert classify("aten::copy_", (cpu, torch.empty(3, device="meta")), {}) is None
+
+
+def test_the_audit_counts_ops_that_compute_and_not_views():
+    x = torch.randn(4, 4)
+    with SyncAudit() as audit:
+        x.view(16), x.t(), x[1:], x.unsqueeze(0)  # views: no kernel runs
+        (x + 1).sum()
+    assert audit.ops == 2 and audit.clean

@@ -6,7 +6,7 @@ transformers: its own ``DynamicCache`` and sdpa, no zoomkv; ``--no-hf`` leaves i
 device/host bytes.
 ``--batch-size N`` decodes N prompts together (tokens per second counts all of them); ``--sync-audit`` also
 runs a few decode steps of each configuration under ``zoomkv.memory.sync_audit`` and reports the ops that
-would make the host wait for the device. What to time comes parsed (``zoomkv.runspec``: methods, adapters,
+would make the host wait for the device, and the ops a step computes (on a GPU about one kernel launch each). What to time comes parsed (``zoomkv.runspec``: methods, adapters,
 variants, budgets), ``full`` first.
 Every speed claim in BENCHMARKS.md is this command's output.
 """
@@ -123,7 +123,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "prefill_hf_ratio": _ratio(prefill, hf_prefill),
             "decode_hf_ratio": _ratio(decode, hf_decode),
             "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
-            "syncs_per_step": syncs.get(i),  # with --sync-audit: host waits per decode step
+            "syncs_per_step": syncs[i][0] if i in syncs else None,  # with --sync-audit: host waits per decode step
+            "ops_per_step": syncs[i][1] if i in syncs else None,  # and ops that compute (views left out)
             "device_bytes": mem.device_bytes,
             "host_bytes": mem.host_bytes,
             "full_kv_bytes": mem.full_kv_bytes,
@@ -147,9 +148,9 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         hf = " × hf |" if with_hf else ""
         print("| method | budget | prefill chunk | prefill s | × full |" + hf + " decode ms/token | × full |" + hf
               + " decode tok/s | device MiB | peak device MiB | peak rows | host MiB | full KV MiB |"
-              + (" CUDA peak MiB |" if cuda else "") + (" syncs/step |" if audit else ""))
+              + (" CUDA peak MiB |" if cuda else "") + (" syncs/step | ops/step |" if audit else ""))
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_hf else "")
-              + ("---|" if cuda else "") + ("---|" if audit else ""))
+              + ("---|" if cuda else "") + ("---|---|" if audit else ""))
         for r in rows:
             tps = r["decode_tokens_per_s"]
             sps = r["syncs_per_step"]
@@ -161,7 +162,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
                   f"{_mib(r['device_bytes'])} | {_mib(r['peak_device_bytes'])} | {r['peak_device_rows']} | "
                   f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
                   + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else "")
-                  + ((f" {sps:g} |" if sps is not None else " - |") if audit else ""))
+                  + ((f" {sps:g} | {r['ops_per_step']} |" if sps is not None else " - | - |") if audit else ""))
         if profiles:
             _print_profile(rows)
     return rows
@@ -219,10 +220,12 @@ SYNC_AUDIT_STEPS = 4
 
 
 def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None],
-                t0: float) -> dict[int, float]:
+                t0: float) -> dict[int, tuple[float, int]]:
     """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
-    make the host wait for the device, over ``SYNC_AUDIT_STEPS`` steps after a fresh prefill
-    (zoomkv.memory.sync_audit)."""
+    make the host wait for the device, and the ops that compute (a GPU's kernel launches, about), over
+    ``SYNC_AUDIT_STEPS`` steps after a fresh prefill (zoomkv.memory.sync_audit)."""
+    from transformers import DynamicCache
+
     from zoomkv.generation import encode_prompts
     from zoomkv.memory import ZoomCache
     from zoomkv.memory.sync_audit import audit_decode, summarize
@@ -232,11 +235,12 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
                             device=model.device)
     found = {}
     for i, run in enumerate(configs):
-        if run is None or run.cache.prefill_chunk is not None:
+        if run is not None and run.cache.prefill_chunk is not None:
             continue
-        cache = ZoomCache(model, run.cache, tokenizer=tokenizer)
+        cache = DynamicCache() if run is None else ZoomCache(model, run.cache, tokenizer=tokenizer)
         audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
-        found[i] = round(sum(len(a.events) for a in audits) / len(audits), 2)
+        found[i] = (round(sum(len(a.events) for a in audits) / len(audits), 2),
+                    round(sum(a.ops for a in audits) / len(audits)))
         _progress(t0, f"sync audit {_name(run)}: " + summarize(audits).replace("\n", "\n    "))
     return found
 

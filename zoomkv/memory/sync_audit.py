@@ -12,7 +12,9 @@ included (where nothing actually waits):
     print(audit.format())          # one line per op, with the zoomkv line that called it
 
 ``SyncAudit(raise_on_sync=True)`` raises ``SyncError`` at the first one instead; ``audit_decode`` audits
-the decode steps after a prefill (``zoomkv bench --sync-audit`` reports it per method).
+the decode steps after a prefill (``zoomkv bench --sync-audit`` reports it per method). ``audit.ops`` counts
+the ops that compute (views left out): on a GPU each is about one kernel launch and a few microseconds of the
+host's time, which is what a small decode step waits on.
 
 What a CPU run cannot show: on a CPU-only machine both tiers are RAM, so a copy between them is no copy at
 all (recalling host-tier rows by indices computed on the device moves those indices to the host: a
@@ -130,10 +132,12 @@ class SyncAudit(TorchDispatchMode):
         super().__init__()
         self.raise_on_sync = raise_on_sync
         self.events: list[SyncEvent] = []
+        self.ops = 0  # ops that compute (not views): on a GPU, about one kernel launch each
         self._patched: dict[str, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += not func.is_view
         kind = classify(func._schema.name, args, kwargs)
         if kind is not None:
             self._note(func._schema.name, kind)
