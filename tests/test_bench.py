@@ -99,3 +99,30 @@ def test_the_hf_row_decodes_the_tokens_full_decodes():
                          stop_at_eos=False)
     assert plain.token_ids == ours.token_ids
     assert model.config._attn_implementation == "zoomkv"  # put back after the plain run
+
+
+def test_a_configuration_out_of_device_memory_is_a_row_and_the_others_go_on(capsys, monkeypatch):
+    """The shape a GPU cannot hold with full KV: hf and full run out of memory, a budgeted method decodes."""
+    import torch
+
+    from zoomkv import bench
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    real = bench.generate_text
+    monkeypatch.setattr(bench, "generate_plain", out_of_memory)
+    monkeypatch.setattr(bench, "generate_text", lambda model, tok, texts, spec, **kw: out_of_memory()
+                        if spec.method.name == "full" else real(model, tok, texts, spec, **kw))
+    rows = run_bench(_args("--methods", "full,quest", "--budgets", "48", "--repeats", "2", "--sync-audit"))
+    out = capsys.readouterr().out
+    assert [(r["method"], r["out_of_memory"]) for r in rows] == [("hf", True), ("full", True), ("quest", False)]
+    quest = rows[2]
+    assert quest["decode_ms_per_token"] > 0 and quest["decode_ratio"] is None and quest["decode_hf_ratio"] is None
+    assert out.count("out of device memory") == 2
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in table}) == 1  # every row as wide as the header
+
+    monkeypatch.setattr(bench, "generate_text", out_of_memory)
+    with pytest.raises(ZoomKVError, match="every configuration ran out"):
+        run_bench(_args("--methods", "full,quest", "--budgets", "48"))

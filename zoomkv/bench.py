@@ -19,6 +19,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from zoomkv.data.passkey import passkey_prompt
 from zoomkv.errors import ZoomKVError
 from zoomkv.generation import GenerationResult, generate_plain, generate_text
@@ -29,8 +31,13 @@ log = logging.getLogger(__name__)
 HF = "hf"  # the plain-transformers row: no zoomkv cache, no zoomkv attention
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f}"
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _cell(value: Any, spec: str = "") -> str:
+    """A table cell: ``-`` where nothing was measured (a run out of memory, a reference that did not run)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _progress(t0: float, message: str) -> None:
@@ -87,25 +94,52 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     warm_length = getattr(args, "warmup_length", 0) or args.length
     warm_prompts = prompts if warm_length >= args.length else \
         [passkey_prompt(tokenizer, max(64, warm_length), depth=0.5, seed=i).text for i in range(batch)]
-    for run in [] if getattr(args, "no_warmup", False) else configs:
+    out_of_memory: set[int] = set()  # configurations the device could not hold: their rows say so, the rest go on
+
+    def attempt(i: int, new: int, texts: list[str]) -> tuple[GenerationResult, int | None] | None:
+        if i in out_of_memory:
+            return None
+        try:
+            return timed(configs[i], new, texts)
+        except torch.OutOfMemoryError:
+            out_of_memory.add(i)
+            _progress(t0, f"{_name(configs[i])}: out of device memory")
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
+    for i, run in enumerate([] if getattr(args, "no_warmup", False) else configs):
         _progress(t0, f"warm-up {_name(run)}")
-        timed(run, 4, warm_prompts)
+        attempt(i, 4, warm_prompts)
 
     samples: list[list[tuple[GenerationResult, int | None]]] = [[] for _ in configs]
     for rep in range(args.repeats):
         _progress(t0, f"repeat {rep + 1}/{args.repeats}")
-        for i, run in enumerate(configs):
-            samples[i].append(timed(run, args.new_tokens))
+        for i in range(len(configs)):
+            result = attempt(i, args.new_tokens, prompts)
+            if result is not None:
+                samples[i].append(result)
+    if len(out_of_memory) == len(configs):
+        raise ZoomKVError(f"every configuration ran out of {model.device}'s memory; use a smaller --batch-size or "
+                          "--length")
 
-    syncs = _sync_audit(model, tokenizer, prompts, configs, t0) if getattr(args, "sync_audit", False) else {}
-    profiles = _profile(model, tokenizer, prompts, configs, args.new_tokens, t0) if getattr(args, "profile", False) else {}
+    # neither audited nor profiled: the configurations that ran out of memory
+    syncs = _sync_audit(model, tokenizer, prompts, configs, t0, skip=out_of_memory) \
+        if getattr(args, "sync_audit", False) else {}
+    profiles = _profile(model, tokenizer, prompts, configs, args.new_tokens, t0, skip=out_of_memory) \
+        if getattr(args, "profile", False) else {}
+
+    def median(i: int | None, field: str) -> float | None:
+        return statistics.median(getattr(r, field) for r, _ in samples[i]) if i is not None and samples[i] else None
 
     rows = []
-    full_prefill = statistics.median(r.prefill_s for r, _ in samples[reference])
-    full_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[reference])
-    hf_prefill = statistics.median(r.prefill_s for r, _ in samples[0]) if with_hf else None
-    hf_decode = statistics.median(r.decode_ms_per_token for r, _ in samples[0]) if with_hf else None
+    full_prefill, full_decode = median(reference, "prefill_s"), median(reference, "decode_ms_per_token")
+    hf_prefill = median(0, "prefill_s") if with_hf else None
+    hf_decode = median(0, "decode_ms_per_token") if with_hf else None
     for i, (run, results) in enumerate(zip(configs, samples, strict=True)):
+        if not results:
+            rows.append(_out_of_memory_row(run, batch))
+            continue
         prefill = statistics.median(r.prefill_s for r, _ in results)
         decode = statistics.median(r.decode_ms_per_token for r, _ in results)
         last, cuda_peak = results[-1]
@@ -116,10 +150,11 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "prefill_chunk": None if run is None else run.cache.prefill_chunk,
             "batch_size": batch,
             "prompt_tokens": last.prompt_tokens,
+            "out_of_memory": False,
             "prefill_s": round(prefill, 4),
-            "prefill_ratio": round(prefill / full_prefill, 3),
+            "prefill_ratio": _ratio(prefill, full_prefill),
             "decode_ms_per_token": round(decode, 3),
-            "decode_ratio": round(decode / full_decode, 3),
+            "decode_ratio": _ratio(decode, full_decode),
             "prefill_hf_ratio": _ratio(prefill, hf_prefill),
             "decode_hf_ratio": _ratio(decode, hf_decode),
             "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
@@ -139,8 +174,9 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
                           "repeats": args.repeats, "batch_size": batch, "rows": rows}))
     else:
         weights = " (random weights: timing only)" if random_weights else ""
+        tokens = next(r["prompt_tokens"] for r in rows if not r["out_of_memory"])
         print(f"model {args.model}{weights} on {model.device} in {str(model.dtype).removeprefix('torch.')}, "
-              f"prompt {rows[0]['prompt_tokens']} tokens" + (f" x {batch} sequences" if batch > 1 else "")
+              f"prompt {tokens} tokens" + (f" x {batch} sequences" if batch > 1 else "")
               + f", {args.new_tokens} new tokens, median of {args.repeats} interleaved runs")
         print()
         cuda = any(r["cuda_peak_bytes"] is not None for r in rows)
@@ -152,17 +188,20 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_hf else "")
               + ("---|" if cuda else "") + ("---|---|" if audit else ""))
         for r in rows:
-            tps = r["decode_tokens_per_s"]
-            sps = r["syncs_per_step"]
-            print(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
-                  f"{r['prefill_chunk'] or 'one-shot'} | {r['prefill_s']:.3f} | "
-                  f"{r['prefill_ratio']:.2f} |" + (f" {r['prefill_hf_ratio']:.2f} |" if with_hf else "")
-                  + f" {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} |"
-                  + (f" {r['decode_hf_ratio']:.2f} |" if with_hf else "") + f" {tps if tps is not None else '-'} | "
-                  f"{_mib(r['device_bytes'])} | {_mib(r['peak_device_bytes'])} | {r['peak_device_rows']} | "
-                  f"{_mib(r['host_bytes'])} | {_mib(r['full_kv_bytes'])} |"
-                  + (f" {_mib(r['cuda_peak_bytes'])} |" if cuda else "")
-                  + ((f" {sps:g} | {r['ops_per_step']} |" if sps is not None else " - | - |") if audit else ""))
+            cells = [r["method"], _cell(r["budget"]), r["prefill_chunk"] or "one-shot"]
+            if r["out_of_memory"]:  # nothing measured: one cell says why
+                width = 10 + 2 * with_hf + cuda + 2 * audit
+                print("| " + " | ".join(map(str, cells + ["out of device memory"] + ["-"] * (width - 1))) + " |")
+                continue
+            cells += [_cell(r["prefill_s"], ".3f"), _cell(r["prefill_ratio"], ".2f")]
+            cells += [_cell(r["prefill_hf_ratio"], ".2f")] if with_hf else []
+            cells += [_cell(r["decode_ms_per_token"], ".2f"), _cell(r["decode_ratio"], ".2f")]
+            cells += [_cell(r["decode_hf_ratio"], ".2f")] if with_hf else []
+            cells += [_cell(r["decode_tokens_per_s"]), _mib(r["device_bytes"]), _mib(r["peak_device_bytes"]),
+                      r["peak_device_rows"], _mib(r["host_bytes"]), _mib(r["full_kv_bytes"])]
+            cells += [_mib(r["cuda_peak_bytes"])] if cuda else []
+            cells += [_cell(r["syncs_per_step"], "g"), _cell(r["ops_per_step"])] if audit else []
+            print("| " + " | ".join(map(str, cells)) + " |")
         if profiles:
             _print_profile(rows)
     return rows
@@ -172,7 +211,7 @@ PHASES = ("selection", "recall", "append", "attention", "rest")
 
 
 def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None], new_tokens: int,
-             t0: float) -> dict[int, dict[str, float]]:
+             t0: float, skip: set[int] = frozenset()) -> dict[int, dict[str, float]]:
     """Per configuration (by index in ``configs``): ms per decode step in each phase of the compressed layers
     (zoomkv.protocol.phases), from one more run of ``new_tokens`` under the phase clock; ``rest`` is the step's
     time outside them (the model's own layers, dense layers, sampling)."""
@@ -183,7 +222,7 @@ def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSp
     cuda = model.device.type == "cuda"
     found = {}
     for i, run in enumerate(configs):
-        if run is None:  # hf: no zoomkv phases to split
+        if run is None or i in skip:  # hf: no zoomkv phases to split
             continue
         clock = PhaseClock(sync=(lambda: torch.cuda.synchronize(model.device)) if cuda else None)
         with measuring(clock):
@@ -220,7 +259,7 @@ SYNC_AUDIT_STEPS = 4
 
 
 def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None],
-                t0: float) -> dict[int, tuple[float, int]]:
+                t0: float, skip: set[int] = frozenset()) -> dict[int, tuple[float, int]]:
     """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
     make the host wait for the device, and the ops that compute (a GPU's kernel launches, about), over
     ``SYNC_AUDIT_STEPS`` steps after a fresh prefill (zoomkv.memory.sync_audit)."""
@@ -235,7 +274,7 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
                             device=model.device)
     found = {}
     for i, run in enumerate(configs):
-        if run is not None and run.cache.prefill_chunk is not None:
+        if i in skip or (run is not None and run.cache.prefill_chunk is not None):
             continue
         cache = DynamicCache() if run is None else ZoomCache(model, run.cache, tokenizer=tokenizer)
         audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
@@ -243,6 +282,17 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
                     round(sum(a.ops for a in audits) / len(audits)))
         _progress(t0, f"sync audit {_name(run)}: " + summarize(audits).replace("\n", "\n    "))
     return found
+
+
+def _out_of_memory_row(run: RunSpec | None, batch: int) -> dict[str, Any]:
+    """The row of a configuration the device could not hold: its name, nothing measured."""
+    return {"method": _name(run, budget=False), "budget": None if run is None else run.budget,
+            "prefill_chunk": None if run is None else run.cache.prefill_chunk, "batch_size": batch,
+            "prompt_tokens": None, "out_of_memory": True, "prefill_s": None, "prefill_ratio": None,
+            "decode_ms_per_token": None, "decode_ratio": None, "prefill_hf_ratio": None, "decode_hf_ratio": None,
+            "decode_tokens_per_s": None, "syncs_per_step": None, "ops_per_step": None, "device_bytes": None,
+            "host_bytes": None, "full_kv_bytes": None, "peak_device_bytes": None, "peak_device_rows": None,
+            "cuda_peak_bytes": None, "profile_ms": None}
 
 
 def _name(run: RunSpec | None, budget: bool = True) -> str:
@@ -261,7 +311,9 @@ def _ratio(value: float, reference: float | None) -> float | None:
 
 def _check_batch_fits(model: Any, batch: int, tokens: int) -> None:
     """``--batch-size``: full KV of the batch (the reference every run is timed against) must fit the device,
-    checked before its prompts are built (``--batch-size 100000000`` would build prompts for ever)."""
+    checked before its prompts are built (``--batch-size 100000000`` would build prompts for ever). On a GPU a
+    batch over it is timed all the same, up to four times the device's memory: ``hf`` and ``full`` run out of it
+    (their rows say so) while a method holding B rows may decode; the CPU's memory is refused."""
     from zoomkv import compat
     from zoomkv.models.loading import device_memory_bytes
 
@@ -271,6 +323,11 @@ def _check_batch_fits(model: Any, batch: int, tokens: int) -> None:
     size = next(model.parameters()).element_size()
     need = batch * tokens * layers * kv_heads * compat.head_dim(model.config) * 2 * size
     have = device_memory_bytes(model.device)
+    if have is not None and model.device.type == "cuda" and need <= 4 * have:
+        if need > have:
+            log.warning("full KV of %d prompts of %d tokens takes %.3g GiB, more than %s's %.3g GiB: hf and full "
+                        "will run out of memory", batch, tokens, need / 2**30, model.device, have / 2**30)
+        return
     if have is not None and need > have:
         raise ZoomKVError(f"--batch-size {batch}: full KV of {batch} prompts of {tokens} tokens takes "
                           f"{need / 2**30:.3g} GiB, more than {model.device}'s {have / 2**30:.3g} GiB; use a smaller "
