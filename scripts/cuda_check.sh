@@ -8,7 +8,8 @@
 #
 # PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), chunked (the same, prefilled 4K tokens
 # at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with phases and host syncs), train
-# (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the SmolLM2 shape at 8K, batch 4).
+# (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the
+# SmolLM2 shape at 8K, batch 4).
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that
 # `zoomkv models` / `make demo` writes). The 8B shape reuses that tokenizer: only its vocabulary size matters
 # for timing. Each part has a timeout (TEST_TIMEOUT, LONG_TIMEOUT, CHUNKED_TIMEOUT, FIT_TIMEOUT, PROFILE_TIMEOUT,
