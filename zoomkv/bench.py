@@ -6,13 +6,15 @@ transformers: its own ``DynamicCache`` and sdpa, no zoomkv; ``--no-hf`` leaves i
 device/host bytes.
 ``--batch-size N`` decodes N prompts together (tokens per second counts all of them); ``--sync-audit`` also
 runs a few decode steps of each configuration under ``zoomkv.memory.sync_audit`` and reports the ops that
-would make the host wait for the device, and the ops a step computes (on a GPU about one kernel launch each). What to time comes parsed (``zoomkv.runspec``: methods, adapters,
-variants, budgets), ``full`` first.
+would make the host wait for the device, and the ops a step computes (on a GPU about one kernel launch each).
+A configuration the device cannot hold is a row saying so. What to time comes parsed (``zoomkv.runspec``:
+methods, adapters, variants, budgets), ``full`` first.
 Every speed claim in BENCHMARKS.md is this command's output.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import statistics
@@ -103,10 +105,12 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             return timed(configs[i], new, texts)
         except torch.OutOfMemoryError:
             out_of_memory.add(i)
-            _progress(t0, f"{_name(configs[i])}: out of device memory")
-            if model.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return None
+        # out of the handler: its traceback no longer holds the failed run's tensors, so their memory goes back
+        _progress(t0, f"{_name(configs[i])}: out of device memory")
+        if model.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        return None
 
     for i, run in enumerate([] if getattr(args, "no_warmup", False) else configs):
         _progress(t0, f"warm-up {_name(run)}")

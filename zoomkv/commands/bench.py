@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the new row into the tiers and index), attention over the selected rows, and the rest")
     parser.add_argument("--sync-audit", action="store_true",
                         help="also audit a few decode steps per configuration for ops that make the host wait for the "
-                             "device (.item(), nonzero, device-to-host copies; see zoomkv.memory.sync_audit), and count the ops a step "
-                             "computes (ops/step: on a GPU about one kernel launch each)")
+                             "device (.item(), nonzero, device-to-host copies; see zoomkv.memory.sync_audit), "
+                             "and count the ops a step computes (ops/step: on a GPU about one kernel launch each)")
     parser.add_argument("--json", action="store_true")
 
 
