@@ -337,6 +337,8 @@ class Interrupt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "transformers":
             sys.meta_path.remove(self)
+            # as in a terminal: a run started in the background inherits SIGINT ignored, and would not see it
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
         return None
 
