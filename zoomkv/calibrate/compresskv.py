@@ -87,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
         progress=False if getattr(args, "quiet", False) or not procs.main else None, processes=procs,
     )
     if not procs.main:
-        return 0  # the main process writes the one profile
+        procs.close()  # after the main process has written the one profile
+        return 0
     path = Path(args.out) if args.out else default_profile_path(args.model)
     save_profile(profile, path)
+    procs.close()
     used, total = profile["used"], profile["samples"]
     # the profile itself is the command's output (stdout); where it went is a log line
     print(f"compresskv profile for {args.model} ({used}/{total} samples used):")

@@ -285,9 +285,11 @@ def run_eval(cfg: EvalConfig, model: Any = None, tokenizer: Any = None) -> list[
     lock = lock_inside(out, "eval", "--out")
     acquire_on_main(lock, procs.main)
     try:
-        return _run_locked(cfg, prep, procs, model, tokenizer)
+        rows = _run_locked(cfg, prep, procs, model, tokenizer)
     finally:
         lock.release()
+    procs.close()
+    return rows
 
 
 def _run_locked(cfg: EvalConfig, prep: Prepared, procs: Processes, model: Any, tokenizer: Any) -> list[dict[str, Any]]:

@@ -54,6 +54,16 @@ class Processes:
         if self.world > 1:
             self.state.wait_for_everyone()
 
+    def close(self) -> None:
+        """Every process done: the group shut down together (gloo's threads left running at exit can abort a
+        process after its work is written; a group freed after a peer has exited can block)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            self.wait()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
     def mine(self, index: int) -> bool:
         """Whether prompt batch ``index`` (in the plan's order) is this process's."""
         return index % self.world == self.rank
