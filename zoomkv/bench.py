@@ -142,7 +142,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     hf_decode = median(0, "decode_ms_per_token") if with_hf else None
     for i, (run, results) in enumerate(zip(configs, samples, strict=True)):
         if not results:
-            rows.append(_out_of_memory_row(run, batch))
+            rows.append(None)  # filled below, with the measured rows' keys
             continue
         prefill = statistics.median(r.prefill_s for r, _ in results)
         decode = statistics.median(r.decode_ms_per_token for r, _ in results)
@@ -172,6 +172,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "cuda_peak_bytes": cuda_peak,  # torch.cuda.max_memory_allocated over the run, above what was allocated before
             "profile_ms": profiles.get(i),  # with --profile: ms per decode step in each phase (a run of its own)
         })
+    measured = next(r for r in rows if r is not None)  # there is one: a run with none measured raised above
+    rows = [r if r is not None else _out_of_memory_row(configs[i], batch, measured) for i, r in enumerate(rows)]
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
                           "dtype": str(model.dtype).removeprefix("torch."), "length": args.length, "new_tokens": args.new_tokens,
@@ -288,15 +290,12 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
     return found
 
 
-def _out_of_memory_row(run: RunSpec | None, batch: int) -> dict[str, Any]:
-    """The row of a configuration the device could not hold: its name, nothing measured."""
-    return {"method": _name(run, budget=False), "budget": None if run is None else run.budget,
+def _out_of_memory_row(run: RunSpec | None, batch: int, measured: dict[str, Any]) -> dict[str, Any]:
+    """The row of a configuration the device could not hold: a measured row's keys, only its name filled."""
+    return {**dict.fromkeys(measured), "method": _name(run, budget=False),
+            "budget": None if run is None else run.budget,
             "prefill_chunk": None if run is None else run.cache.prefill_chunk, "batch_size": batch,
-            "prompt_tokens": None, "out_of_memory": True, "prefill_s": None, "prefill_ratio": None,
-            "decode_ms_per_token": None, "decode_ratio": None, "prefill_hf_ratio": None, "decode_hf_ratio": None,
-            "decode_tokens_per_s": None, "syncs_per_step": None, "ops_per_step": None, "device_bytes": None,
-            "host_bytes": None, "full_kv_bytes": None, "peak_device_bytes": None, "peak_device_rows": None,
-            "cuda_peak_bytes": None, "profile_ms": None}
+            "out_of_memory": True}
 
 
 def _name(run: RunSpec | None, budget: bool = True) -> str:
