@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zoomkv"
 # Bottom to top. Parts in one layer may import each other (never in a cycle); a part never imports a
 # higher layer. zoomkv/__init__.py, the package face, is above them all (it re-exports the public API).
 LAYERS: list[set[str]] = [
-    {"errors", "logs", "compat", "budget", "version", "atomic", "locks", "native", "kernels", "models", "data"},
+    {"errors", "logs", "compat", "budget", "version", "atomic", "launch", "locks", "native", "kernels", "models", "data"},
     {"protocol"},
     {"memory"},
     {"methods"},

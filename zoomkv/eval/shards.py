@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoomkv.eval.tasks import SYNTHETIC_TASKS
+from zoomkv.launch import end_process_group
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,9 @@ class Processes:
             self.state.wait_for_everyone()
 
     def close(self) -> None:
-        """Every process done: the group shut down together (gloo's threads left running at exit can abort a
-        process after its work is written; a group freed after a peer has exited can block)."""
+        """Every process done: the group shut down together (``zoomkv.launch.end_process_group``)."""
         if self.world > 1:
-            import torch.distributed as dist
-
-            self.wait()
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
+            end_process_group()
 
     def mine(self, index: int) -> bool:
         """Whether prompt batch ``index`` (in the plan's order) is this process's."""

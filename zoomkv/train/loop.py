@@ -35,6 +35,7 @@ from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.data.haystack import Haystack
 from zoomkv.data.training import curriculum_index, make_samples
 from zoomkv.errors import ConfigError
+from zoomkv.launch import end_process_group
 from zoomkv.locks import acquire_on_main, lock_inside
 from zoomkv.logs import LOGGER_NAME, progress_shown
 from zoomkv.protocol.shape import ModelShape, base_fingerprint
@@ -170,9 +171,7 @@ def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
             write_eval(cfg, evaluate(model, tokenizer, cfg, engine.adapter))
     accelerator.wait_for_everyone()  # the others wait while the main process writes and evaluates
     accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Shut the group down together: a process group freed after a peer has exited can block forever.
-        torch.distributed.destroy_process_group()
+    end_process_group()
     return out
 
 
