@@ -167,6 +167,21 @@ def test_native_router_on_several_new_queries(config):
     _assert_same(*_both(method, memory, torch.randn(1, H * G, 5, D, generator=g)))
 
 
+@pytest.mark.parametrize("kwargs", [{"rescore_bits": 0}, {}, {"rescore_from": "host"}])
+def test_native_router_scores_a_long_chunk_a_block_of_queries_at_a_time(config, kwargs):
+    """A prefill chunk's queries (here 2 x 700 query rows a KV head over 300 rows) are scored a block of rows at a
+    time in the compiled step (``rows_at_once``: ~890 rows here), their votes summed: the rows the torch path
+    picks, padding and anchors included. The chunk's last positions all look one way, so a block scored with
+    another block's queries picks other rows."""
+    lengths = torch.tensor([300, 230])
+    valid = torch.arange(300)[None, :] >= (300 - lengths)[:, None]
+    method = SeKV(**kwargs)
+    memory, g = _memory(config, method, t=300, budget=40, seed=5, batch=2, valid=valid)
+    query = torch.randn(2, H * G, 700, D, generator=g) * 0.3
+    query[:, :, 500:] = torch.randn(2, H * G, 1, D, generator=g) * 3
+    _assert_same(*_both(method, memory, query))
+
+
 def test_native_encoder_writes_the_codes_of_the_torch_encoder():
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(3, 2, 40, 64, generator=g) * 3

@@ -557,13 +557,19 @@ void encode_hash_row(const float* key, const float* mu, const float* proj, int64
   }
 }
 
+// How many of a group's query rows are scored at once against `rows` rows: their logits and 1-bit byte tables
+// (2,048 floats a query at head_dim 64) within about 8 MB a thread; a decode step's whole group in one go.
+int64_t rows_at_once(int64_t group, int64_t rows) {
+  constexpr int64_t kFloatsAtOnce = int64_t(1) << 21;
+  return std::max<int64_t>(1, std::min<int64_t>(group, kFloatsAtOnce / (std::max<int64_t>(rows, 1) + 2048)));
+}
+
 // Steps 1-7 above for (sequence, KV head) bh: the k rows picked into dst, in sequence order.
 void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   const int64_t b = bh / a.heads, h = bh % a.heads, group = a.query_rows, d = a.d, n = a.n, m = a.m, k = a.k;
   const float scaling = float(a.scaling);
   const uint8_t* valid_b = a.valid ? a.valid + b * a.valid_cap : nullptr;
   s.qr.resize(group * d);
-  s.logits.resize(group * n);
   s.vote.resize(n);
   s.vote2.resize(m);
   s.part.resize(group);
@@ -580,7 +586,11 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
     if (a.gains)
       for (int64_t c = 0; c < d; ++c) qr[c] *= a.gains[h * d + c];
   }
-  // 2. every row's estimated logit from its code: logits[g * n + r]
+  // 2-4. every row's estimated logit from its code, anchors through their finer codes, padding out, then the
+  // group's vote (each query row's softmax, summed), a block of query rows at a time: a prefill chunk's group is
+  // its heads x its positions, and its logits and byte tables at once would take gigabytes a thread at 32K
+  const int64_t block = rows_at_once(group, n);
+  s.logits.resize(block * n);
   if (a.hash_bits) {
     const int64_t nb = a.hash_bits;
     s.qh.assign(group * nb, 0.0f);
@@ -594,39 +604,42 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
         for (int64_t c = 0; c < nb; ++c) qh[c] += qj * row[c];
       }
     }
-    Scorer scorer(s.qh.data(), group, nb, 1);
-    scorer.reserve(n);
-    scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
-                      s.logits.data());
-  } else {
-    Scorer scorer(s.qr.data(), group, d, int(a.bits));
-    scorer.reserve(n);
-    scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
-                      s.logits.data());
   }
-  // 3. anchors through their finer codes; padding out
-  if (a.anchors) {
-    Scorer scorer(s.qr.data(), group, d, int(a.anchor_bits));
-    const int64_t nb = scorer.nbytes();
-    const int64_t* pos = a.anchor_pos + b * a.anchors;
-    for (int64_t i = 0; i < a.anchors; ++i) {
-      const int64_t p = pos[i];
-      if (p < 0 || p >= n) continue;
-      scorer.score(a.anchor_codes + (bh * a.anchors + i) * nb, s.part.data(), 1);
-      const float scale = half_to_float(a.anchor_rms[bh * a.anchors + i]) * scaling;
-      for (int64_t g = 0; g < group; ++g) s.logits[g * n + p] = s.part[g] * scale;
-    }
-  }
-  if (valid_b)
-    for (int64_t r = 0; r < n; ++r)
-      if (!valid_b[r])
-        for (int64_t g = 0; g < group; ++g) s.logits[g * n + r] = -kInf;
-  // 4. the group's vote: each query head's softmax, summed
   std::fill(s.vote.begin(), s.vote.end(), 0.0f);
-  for (int64_t g = 0; g < group; ++g) {
-    float* l = s.logits.data() + g * n;
-    softmax(l, n);
-    for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r];
+  for (int64_t g0 = 0; g0 < group; g0 += block) {
+    const int64_t rows = std::min(block, group - g0);
+    if (a.hash_bits) {
+      Scorer scorer(s.qh.data() + g0 * a.hash_bits, rows, a.hash_bits, 1);
+      scorer.reserve(n);
+      scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
+                        s.logits.data());
+    } else {
+      Scorer scorer(s.qr.data() + g0 * d, rows, d, int(a.bits));
+      scorer.reserve(n);
+      scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
+                        s.logits.data());
+    }
+    if (a.anchors) {
+      Scorer scorer(s.qr.data() + g0 * d, rows, d, int(a.anchor_bits));
+      const int64_t nb = scorer.nbytes();
+      const int64_t* pos = a.anchor_pos + b * a.anchors;
+      for (int64_t i = 0; i < a.anchors; ++i) {
+        const int64_t p = pos[i];
+        if (p < 0 || p >= n) continue;
+        scorer.score(a.anchor_codes + (bh * a.anchors + i) * nb, s.part.data(), 1);
+        const float scale = half_to_float(a.anchor_rms[bh * a.anchors + i]) * scaling;
+        for (int64_t g = 0; g < rows; ++g) s.logits[g * n + p] = s.part[g] * scale;
+      }
+    }
+    if (valid_b)
+      for (int64_t r = 0; r < n; ++r)
+        if (!valid_b[r])
+          for (int64_t g = 0; g < rows; ++g) s.logits[g * n + r] = -kInf;
+    for (int64_t g = 0; g < rows; ++g) {
+      float* l = s.logits.data() + g * n;
+      softmax(l, n);
+      for (int64_t r = 0; r < n; ++r) s.vote[r] += l[r];
+    }
   }
   // 5. forced rows, then the best m
   const int64_t* sp = a.sink_pos + b * a.sinks;
@@ -645,20 +658,26 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   } else if (m > k) {
     // 6. the candidates rescored with their finer host codes (padding is not masked here: the torch path's
     // softmax over the candidates does not mask it either; it stays out through its -inf first-stage vote)
-    Scorer scorer(s.qr.data(), group, d, int(a.fine_bits));
-    scorer.reserve(m);
-    float* l = s.logits.data();  // reused: [group][m]
+    const int64_t fine_bytes = d * a.fine_bits / 8;
     for (int64_t j = 0; j < m; ++j) {  // random rows of the host tier: ask for all of them before reading one
-      __builtin_prefetch(a.fine_codes + (bh * a.fine_cap + s.order[j]) * scorer.nbytes());
+      __builtin_prefetch(a.fine_codes + (bh * a.fine_cap + s.order[j]) * fine_bytes);
       __builtin_prefetch(a.fine_rms + bh * a.fine_rms_cap + s.order[j]);
     }
-    scorer.score_rows(a.fine_codes + bh * a.fine_cap * scorer.nbytes(), a.fine_rms + bh * a.fine_rms_cap,
-                      s.order.data(), m, scaling, l);
+    const int64_t fine_block = rows_at_once(group, m);
+    s.logits.resize(std::max(block * n, fine_block * m));
+    float* l = s.logits.data();  // reused: [rows][m]
     std::fill(s.vote2.begin(), s.vote2.begin() + m, 0.0f);
-    for (int64_t g = 0; g < group; ++g) {
-      float* lg = l + g * m;
-      softmax(lg, m);
-      for (int64_t j = 0; j < m; ++j) s.vote2[j] += lg[j];
+    for (int64_t g0 = 0; g0 < group; g0 += fine_block) {
+      const int64_t rows = std::min(fine_block, group - g0);
+      Scorer scorer(s.qr.data() + g0 * d, rows, d, int(a.fine_bits));
+      scorer.reserve(m);
+      scorer.score_rows(a.fine_codes + bh * a.fine_cap * fine_bytes, a.fine_rms + bh * a.fine_rms_cap,
+                        s.order.data(), m, scaling, l);
+      for (int64_t g = 0; g < rows; ++g) {
+        float* lg = l + g * m;
+        softmax(lg, m);
+        for (int64_t j = 0; j < m; ++j) s.vote2[j] += lg[j];
+      }
     }
     for (int64_t j = 0; j < m; ++j) {
       const float first = s.vote[s.order[j]];
