@@ -6,17 +6,18 @@
 #
 #   bash scripts/cuda_check.sh [OUT_DIR] [PARTS]
 #
-# PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), chunked (the same, prefilled 4K tokens
+# PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), every (the same reading every
+# recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the rows not already held), chunked (the same, prefilled 4K tokens
 # at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with phases and host syncs), train
 # (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the
 # SmolLM2 shape at 8K, batch 4).
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that
 # `zoomkv models` / `make demo` writes). The 8B shape reuses that tokenizer: only its vocabulary size matters
 # for timing. Each part has a timeout (TEST_TIMEOUT, LONG_TIMEOUT, CHUNKED_TIMEOUT, FIT_TIMEOUT, PROFILE_TIMEOUT,
-# TRAIN_TIMEOUT, SMALL_TIMEOUT) inside the device tool's 600 s per command.
+# TRAIN_TIMEOUT, SMALL_TIMEOUT, EVERY_TIMEOUT) inside the device tool's 600 s per command.
 set -uo pipefail
 out=${1:-${OUT:-cuda-check}}
-parts=${2:-tests,long,chunked,fit,profile,train,small}
+parts=${2:-tests,long,every,chunked,fit,profile,train,small}
 mkdir -p "$out"
 src=${SMOLLM2_DIR:-$HOME/.cache/zoomkv/models/smollm2-135m}
 py=${PYTHON:-python3}
@@ -56,6 +57,11 @@ bench() {  # name, seconds, then zoomkv bench arguments
 # selection's kernels compile before timing).
 has long && bench llama8b_32k_b8 "${LONG_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 \
   --methods full,sekv,quest --budgets 1024 --new-tokens 16 --repeats 1 --warmup-length 2048
+# The recall reading every row it asks for at each step (before: only the rows its buffer does not hold), with
+# its own `full` for the ratio.
+has every && ZOOMKV_RECALL_MISSES=0 bench llama8b_32k_b8_every_row "${EVERY_TIMEOUT:-200}" --model \
+  "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 --methods full,sekv,quest --budgets 1024 --new-tokens 16 \
+  --repeats 1 --warmup-length 2048 --no-hf
 # The same prompts prefilled 4K tokens at a time: each chunk attends to the rows its method selects (scored a block
 # of positions at a time), so the CUDA peak is the weights, the compressed layers and one chunk's activations
 # (the GPU issue's target: weights + 25% of full KV).

@@ -88,7 +88,7 @@ class ProbeMethod(OracleTopK):
             q = q + shift[None, :, None, :]
         score = torch.matmul(q, keys.transpose(-1, -2)).float().amax(dim=2)
         idx = score.topk(k, dim=-1).indices.sort(dim=-1).values if k < n else None
-        rk, rv = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
+        rk, rv, idx = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
         return Selection(rk, rv, padding_bias(None, idx, keys.shape[1], query.dtype, query.device))
 
 

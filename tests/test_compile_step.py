@@ -16,15 +16,17 @@ from tests.helpers import padded_batch
 from zoomkv import ZoomCache, native
 from zoomkv.memory import LayerMemory
 from zoomkv.models import load_model
+from zoomkv.protocol.recallable import recall_misses_only
 
 
+@pytest.mark.parametrize("misses_only", [False, True])  # True: the recall a GPU runs (recallable.plan_swaps)
 @pytest.mark.parametrize("name", ["quest", "oracle_topk", pytest.param("sekv", marks=pytest.mark.heavy)])
-def test_a_decode_steps_selection_compiles_as_one_graph(name):
+def test_a_decode_steps_selection_compiles_as_one_graph(name, misses_only):
     torch._dynamo.reset()
     model, _ = load_model("tiny-llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 61))
     cache = ZoomCache(model, name, 40)
-    with torch.no_grad(), native.torch_path():
+    with torch.no_grad(), native.torch_path(), recall_misses_only(misses_only):
         model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         layer = next(layer for layer in cache.layers if isinstance(layer, LayerMemory) and layer.compressed)
         query = torch.randn(2, model.config.num_attention_heads, 1, layer.key_dim,

@@ -260,6 +260,20 @@ def test_the_gpu_step_selects_what_the_cpu_step_selects(tiny, name):
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences), name
 
 
+@pytest.mark.parametrize("name", ["sekv", "quest", "oracle_topk"])
+def test_reading_only_the_missed_rows_gives_the_tokens_of_reading_every_row(tiny, name):
+    """On a GPU the recall reads only the rows its buffer misses (the kernel skips the others); the same greedy
+    tokens as reading every row each step."""
+    from zoomkv.protocol.recallable import recall_misses_only
+
+    ids, mask = _batch(tiny, lengths=(90, 61))
+    runs = []
+    for on in (True, False):
+        with recall_misses_only(on):
+            runs.append(greedy(tiny, ids, mask, ZoomCache(tiny, name, 40), new=12))
+    assert torch.equal(runs[0].sequences, runs[1].sequences), name
+
+
 def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
     """sekv's trained hash index (one format for both devices): the GPU's torch step and Triton scorer give the
     greedy tokens of the compiled CPU step."""

@@ -343,7 +343,7 @@ def test_rank_gates_before_rope_recall_low_rank_keys_exactly(config, pad):
         # a generated row (position t - pad) joins the same way
         nxt = _low_rank_before_rope(t + 1, 4, table, pad)[:, :, -1:]
         method.append(memory, nxt, values[:, :, :1])
-        recalled, _ = method._recall(memory, None)
+        recalled, _, _ = method._recall(memory, None)
         truth = torch.cat([keys, nxt], 2)
         err = (recalled - truth)[:, :, pad:].abs().max()
         errors[basis] = float(err)
@@ -395,7 +395,7 @@ def test_training_truncates_the_host_rows_as_inference_recalls_them(config):
         adapter.rank_gate[0, 1, 9:] = -1.0
     method = SeKV(adapter=adapter, host_key_basis="pre_rope", host_exact_sinks=True)
     memory = _memory(config, method, keys, values, torch.zeros(1, t), budget=40, rotary_table=table)
-    rk, rv = method._recall(memory, None)
+    rk, rv, _ = method._recall(memory, None)
     gates = (adapter.rank_gate[0] > 0).float()
     rope = rotary.angles(torch.arange(t), *table)
     exact = torch.arange(t) < 4
@@ -434,13 +434,13 @@ def test_rank_gates_keep_the_anchors_exact_on_the_host_tier(config):
     memory = _memory(config, exact, keys, values, surprisal, budget=40)
     assert memory.device_tier["anchor_pos"].tolist() == [[70, 120]]
     assert memory.host_tier["exact_anchor_keys"].view().shape == (1, H, 2, D)
-    rk, rv = exact._recall(memory, None)
+    rk, rv, _ = exact._recall(memory, None)
     for row in (70, 120):
         assert torch.equal(rk[:, :, row], keys[:, :, row]) and torch.equal(rv[:, :, row], values[:, :, row])
     assert (rk[:, :, 71] - keys[:, :, 71]).abs().max() > 0.1  # the others: rank 3 of 16
     # a recall of some rows (in any order) finds the anchors among them
     idx = torch.tensor([[[5, 120, 70, 33]]]).expand(1, H, -1)
-    rk, _ = exact._recall(memory, idx)
+    rk, _, _ = exact._recall(memory, idx)
     assert torch.equal(rk[:, :, 1], keys[:, :, 120]) and torch.equal(rk[:, :, 2], keys[:, :, 70])
     plain = _memory(config, SeKV(adapter=adapter), keys, values, surprisal, budget=40)
     assert (SeKV(adapter=adapter)._recall(plain, None)[0][:, :, 70] - keys[:, :, 70]).abs().max() > 0.1
@@ -456,7 +456,7 @@ def test_a_quantized_host_tier_recalls_the_anchors_from_their_finer_copy(config,
     memory = _memory(config, fine, keys, values, surprisal, budget=40, kv_quant="int2")
     assert memory.device_tier["anchor_pos"].tolist() == [[70, 120]]
     assert memory.host_tier["exact_anchor_values"].view().shape == (1, H, 2, D)
-    rk, rv = fine._recall(memory, None)
+    rk, rv, _ = fine._recall(memory, None)
     for row in (70, 120):
         assert (rk[:, :, row] - keys[:, :, row]).abs().max() < tol
         assert (rv[:, :, row] - values[:, :, row]).abs().max() < tol
@@ -484,11 +484,11 @@ def test_rank_gates_keep_rows_after_compression_exact(config):
     method.extend(memory, new_k, new_v)  # a question after compression
     method.append(memory, new_k[:, :, :1] * 3, new_v[:, :, :1] * 3)  # then a generated token
     assert memory.host_tier["keys"].view().shape == (1, H, 206, 3)  # the low-rank copy keeps the indexing
-    rk, rv = method._recall(memory, None)
+    rk, rv, _ = method._recall(memory, None)
     assert torch.equal(rk[:, :, 200:205], new_k) and torch.equal(rv[:, :, 205:], new_v[:, :, :1] * 3)
     assert (rk[:, :, 150] - keys[:, :, 150]).abs().max() > 0.1  # the compressed context: rank 3 of 16
     idx = torch.tensor([[[10, 203, 205]]]).expand(1, H, -1)
-    rk, _ = method._recall(memory, idx)
+    rk, _, _ = method._recall(memory, idx)
     assert torch.equal(rk[:, :, 1], new_k[:, :, 3]) and torch.equal(rk[:, :, 2], new_k[:, :, 0] * 3)
 
 
@@ -512,8 +512,8 @@ def test_rank_gates_and_quantization_compose(config, bits):
     _, quant_only = memory_with(bits, False)
     assert both.host_tier["keys"].view().shape == (1, H, 200, 5)
     assert both.host_bytes < rank_only.host_bytes and both.host_bytes < quant_only.host_bytes
-    rk_q, rv_q = m_q._recall(both, None)
-    rk_r, rv_r = m_r._recall(rank_only, None)
+    rk_q, rv_q, _ = m_q._recall(both, None)
+    rk_r, rv_r, _ = m_r._recall(rank_only, None)
     tol = 0.05 if bits == "int8" else 0.5  # half a quantization step of these rows' range
     assert (rk_q - rk_r).abs().max() < tol and (rv_q - rv_r).abs().max() < tol
     assert (rk_r - keys).abs().max() > 0.5  # and the rank cut still shows: 5 of 16 directions
@@ -525,7 +525,7 @@ def test_rank_gates_and_quantization_compose(config, bits):
         adapter.rank_gate[0, 0, :] = -1.0
     m_none, none_kept = memory_with(bits, True)
     assert none_kept.host_tier["keys"].view().shape == (1, H, 200, 0)
-    rk, _ = m_none._recall(none_kept, None)
+    rk, _, _ = m_none._recall(none_kept, None)
     assert torch.allclose(rk, keys.mean(2, keepdim=True).expand_as(rk), atol=1e-5)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from zoomkv.errors import ConfigError
+from zoomkv.kernels.gather import gather_to_slots_reference
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
 
@@ -353,16 +354,23 @@ class QuantizedRowBuffer(RowBuffer):
         return self._decoded(self.codes.rows_on(device), self.scale.rows_on(device), self.lo.rows_on(device),
                              None if self.exact is None else self.exact.rows_on(device))
 
+    def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows ``idx`` decoded into slots ``dest`` of ``out`` where ``fetch``: on a GPU only the fetched rows'
+        codes are read from pinned memory (the rest decode what is left in their place, then are dropped)."""
+        gather_to_slots_reference(self._gather(idx, fetch), out, dest, fetch)
+
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         found = self._gather(idx)
         return found if out is None else out.copy_(found, non_blocking=True)
 
-    def _gather(self, idx: torch.Tensor | None) -> torch.Tensor:
-        """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held)."""
+    def _gather(self, idx: torch.Tensor | None, fetch: torch.Tensor | None = None) -> torch.Tensor:
+        """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held); ``fetch``: only
+        those rows are read (the others' entries are undefined)."""
         if idx is None:
             return self.view()
-        return self._decoded(self.codes.gather(idx), self.scale.gather(idx), self.lo.gather(idx),
-                             None if self.exact is None else self.exact.gather(idx))
+        return self._decoded(self.codes.gather(idx, fetch=fetch), self.scale.gather(idx, fetch=fetch),
+                             self.lo.gather(idx, fetch=fetch),
+                             None if self.exact is None else self.exact.gather(idx, fetch=fetch))
 
     def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                  exact: torch.Tensor | None) -> torch.Tensor:
@@ -465,6 +473,11 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         scale = self.scale.view().gather(2, at).float()
         lo = self.lo.view().gather(2, at).float()
         return (unpack(codes, self.bits).float() * scale + lo).to(self.dtype)
+
+    def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows ``idx`` decoded into slots ``dest`` of ``out``, every one of them: a row held exact in the open
+        block changes when the block is coded, so a slot holding it from an earlier step is written again."""
+        gather_to_slots_reference(self._gather(idx), out, dest, None)
 
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         found = self._gather(idx)

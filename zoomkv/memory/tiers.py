@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zoomkv.kernels.gather import gather_rows
+from zoomkv.kernels.gather import gather_rows, gather_to_slots_reference
 
 
 class RowBuffer:
@@ -65,12 +65,14 @@ class RowBuffer:
             return self.data[:, :, : self.length].to(device, non_blocking=True)
         return self.view().to(device)
 
-    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None,
+               fetch: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (``[b, h, k]`` row ids; None: every row) as a ``[b, h, k, dim]`` tensor: where the
         buffer lives, or, for pinned rows and indices on the GPU, on the GPU, read there by one kernel with no
-        host synchronisation (``zoomkv.kernels.gather``); into ``out`` when given."""
-        if self.pinned and idx is not None and idx.is_cuda:
-            return gather_rows(self.data[:, :, : self.length], idx, out)  # in stream order: nothing to wait for
+        host synchronisation (``zoomkv.kernels.gather``); into ``out`` when given. ``fetch`` (``[b, h, k]``
+        bool): the rows wanted; the kernel leaves the others unread (their entries are then undefined)."""
+        if self.pinned and idx is not None and idx.is_cuda:  # in stream order: nothing to wait for
+            return gather_rows(self.data[:, :, : self.length], idx, out, fetch=fetch)
         if self.pinned and idx is None and out is not None and out.is_cuda:
             return out.copy_(self.data[:, :, : self.length], non_blocking=True)
         rows = self.view()
@@ -79,6 +81,14 @@ class RowBuffer:
         at = idx.to(rows.device)[..., None].expand(-1, -1, -1, rows.shape[-1])
         found = rows.gather(2, at)
         return found if out is None else out.copy_(found, non_blocking=True)
+
+    def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows ``idx`` into slots ``dest`` of ``out`` where ``fetch`` (``[b, h, k]`` each; the other slots keep
+        what they hold): pinned rows are read from the GPU by one kernel that skips the rows not fetched."""
+        if self.pinned and idx.is_cuda:
+            gather_rows(self.data[:, :, : self.length], idx, out, dest=dest, fetch=fetch)
+        else:
+            gather_to_slots_reference(self.gather(idx), out, dest, fetch)
 
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[2]

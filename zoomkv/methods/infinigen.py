@@ -174,5 +174,5 @@ class InfiniGen(RecallableMethod):
             rank = scores.amax(dim=2)  # [b, h, n]: a row one query head needs is eligible for the group
             rank[..., -1] = float("inf")  # the newest row is always attended
             idx = rank.topk(count + 1, dim=-1).indices.sort(dim=-1).values
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv, idx = recall_rows(memory, keys, values, idx)
         return Selection(rk, rv, padding_bias(valid, idx, rk.shape[1], query.dtype, query.device))

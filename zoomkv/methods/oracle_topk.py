@@ -77,5 +77,5 @@ class OracleTopK(KVMethod):
         if k < n:
             # Sorted so that rows keep sequence order (at budgets covering everything: exactly full attention).
             idx = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, h, k]
-        rk, rv = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
+        rk, rv, idx = recall_rows(memory, memory.host_tier["keys"], memory.host_tier["values"], idx)
         return Selection(rk, rv, padding_bias(valid, idx, keys.shape[1], query.dtype, query.device))

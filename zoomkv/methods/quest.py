@@ -173,6 +173,6 @@ class Quest(RecallableMethod):
             rows = (chosen[..., None] * ps + offsets).flatten(-2)
             # Only the last page can be partial, and it is the last chosen page: drop its unfilled tail.
             idx = rows[..., : k * ps - (pages * ps - n)]
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv, idx = recall_rows(memory, keys, values, idx)
         bias = padding_bias(host_valid(memory), idx, kv_heads, query.dtype, query.device)
         return Selection(rk, rv, bias)

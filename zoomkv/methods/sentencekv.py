@@ -223,7 +223,7 @@ class SentenceKV(KVMethod):
         idx = None
         if n > budget:
             idx = self._recall_index(memory, budget)
-        rk, rv = recall_rows(memory, keys, values, idx)
+        rk, rv, idx = recall_rows(memory, keys, values, idx)
         valid = memory.host_tier["valid"].view()[..., 0] if "valid" in memory.host_tier else None
         bias = padding_bias(valid, idx, rk.shape[1], query.dtype, query.device)
         if memory.meta["may_close"]:

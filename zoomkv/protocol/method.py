@@ -34,6 +34,10 @@ class RowBufferLike(Protocol):
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (``[batch, kv_heads, k]``) only; ``None``: every row; into ``out`` when given."""
 
+    def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows ``idx`` into ``out``'s slots ``dest`` where ``fetch`` (``[batch, kv_heads, k]`` each); the other
+        slots keep what they hold (``zoomkv.protocol.recallable.plan_swaps`` plans them)."""
+
     def append(self, rows: torch.Tensor) -> None:
         """Add rows at the end (``[batch, kv_heads, m, dim]``), growing the buffer as needed."""
 

@@ -451,12 +451,13 @@ class SeKV(RecallableMethod):
             x = rotary.undo(rows.float(), *self._angles(memory, at))
         return project(x, dev[f"{name}_mean"], dev[f"{name}_directions"]).to(rows.dtype)
 
-    def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recall(self, memory, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The recalled keys and values, and the host row each slot holds (``recall_rows``)."""
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
         if not memory.meta["low_rank"] and not memory.meta.get("exact_anchors"):
             return recall_rows(memory, keys, values, idx)
         with phase("recall"):
-            return self._recall_rebuilt(memory, keys, values, idx)
+            return (*self._recall_rebuilt(memory, keys, values, idx), idx)
 
     def _recall_rebuilt(self, memory, keys, values, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The recall where host rows are not the rows: coordinates rebuilt along their directions (rank gates),
@@ -689,7 +690,7 @@ class SeKV(RecallableMethod):
                 idx = self._pick(memory, query, n, min(n, self._stage_one(memory.meta["budget"])), k)
         valid = host_valid(memory)
         h = memory.device_tier["code_mean"].shape[1]
-        rk, rv = self._recall(memory, idx)
+        rk, rv, idx = self._recall(memory, idx)
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))
         if not self.config.summary_row:
             return sel
