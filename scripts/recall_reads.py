@@ -4,7 +4,8 @@ keeps its slot (a GPU machine's recall: ``zoomkv.protocol.recallable.plan_swaps`
 For held-out prompts (RULER needles over a haystack no training saw, built as ``zoomkv eval`` builds them), each
 method prefills the whole prompt and decodes ``--new-tokens`` greedy tokens through the torch path a GPU runs, with
 that recall on. The table gives the share of the rows asked for that were read, after each layer's first decode
-step (which reads them all), with a 95% interval over the prompts.
+step (which reads them all), with a 95% interval over the prompts: the rows attended, and sekv's candidates' finer
+codes (its second stage with ``rescore_from="codes"``, a fresh sekv's). A KIVI host tier reads every row anyway.
 
     python scripts/recall_reads.py --length 4096 --samples 5 --budgets 128,1024 --methods quest,oracle_topk \\
         --adapter checkpoints/sekv-smollm2-quickstart/adapter
@@ -38,20 +39,26 @@ def prompts(args, tokenizer) -> list[torch.Tensor]:
     return found
 
 
-def read_share(model, make_cache, ids: torch.Tensor, new_tokens: int) -> float:
-    """The share of rows asked for that were read, over the decode steps after each layer's first."""
+def read_shares(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict[str, float]:
+    """Per buffer (``recall``: the rows attended; ``cand``: sekv's candidates' finer codes), the share of rows asked
+    for that were read, over the decode steps after each layer's first."""
     from zoomkv import native
+    from zoomkv.methods.sekv import method as sekv
     from zoomkv.protocol import recallable
 
-    counts: list[tuple[int, int, bool]] = []
-    plan = recallable.plan_swaps
+    counts: dict[str, list[int]] = {}
+    plan = recallable.swaps
 
-    def counted(held: torch.Tensor, idx: torch.Tensor):
-        dest, fetch, rows = plan(held, idx)
-        counts.append((int(fetch.sum()), fetch.numel(), bool((held < 0).all())))
+    def counted(memory, prefix: str, idx: torch.Tensor, fresh: bool = False):
+        first = fresh or f"{prefix}_held" not in memory.device_tier
+        dest, fetch, rows = plan(memory, prefix, idx, fresh)
+        if not first:
+            tally = counts.setdefault(prefix, [0, 0])
+            tally[0] += int(fetch.sum())
+            tally[1] += fetch.numel()
         return dest, fetch, rows
 
-    recallable.plan_swaps = counted
+    recallable.swaps = sekv.swaps = counted
     try:
         with torch.no_grad(), native.torch_path(), recallable.recall_misses_only(True):
             cache = make_cache()
@@ -59,9 +66,15 @@ def read_share(model, make_cache, ids: torch.Tensor, new_tokens: int) -> float:
             for _ in range(new_tokens):
                 out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     finally:
-        recallable.plan_swaps = plan
-    later = [(read, asked) for read, asked, first in counts if not first]
-    return sum(r for r, _ in later) / max(1, sum(a for _, a in later))
+        recallable.swaps = sekv.swaps = plan
+    return {prefix: read / max(1, asked) for prefix, (read, asked) in counts.items()}
+
+
+def interval(shares: list[float]) -> str:
+    mean = sum(shares) / len(shares)
+    sd = math.sqrt(sum((s - mean) ** 2 for s in shares) / max(1, len(shares) - 1))
+    half = 1.96 * sd / math.sqrt(len(shares))
+    return f"{mean:.2f} [{mean - half:.2f}–{mean + half:.2f}]"
 
 
 def main() -> None:
@@ -89,15 +102,14 @@ def main() -> None:
     rows = [(name, lambda b, name=name: ZoomCache(model, name, b)) for name in args.methods.split(",") if name]
     rows += [(Path(a).parent.name, lambda b, a=a: cache_from_adapter(model, a, budget=b)) for a in args.adapter]
     print(f"{len(found)} prompts of {args.length} tokens ({args.tasks} over {args.haystack}), {args.new_tokens} steps")
-    print("\n| method | B | rows read / rows recalled, 95% interval |\n|---|---|---|")
+    print("\n| method | B | rows read / rows recalled | candidates' codes read / asked (sekv) |\n|---|---|---|---|")
     for budget in (int(b) for b in args.budgets.split(",")):
         for name, make in rows:
-            shares = [read_share(model, lambda make=make, budget=budget: make(budget), ids, args.new_tokens) for ids in found]
-            mean = sum(shares) / len(shares)
-            sd = math.sqrt(sum((s - mean) ** 2 for s in shares) / max(1, len(shares) - 1))
-            half = 1.96 * sd / math.sqrt(len(shares))
-            print(f"| {name} | {budget} | {mean:.2f} [{mean - half:.2f}–{mean + half:.2f}] |", flush=True)
-
+            runs = [read_shares(model, lambda make=make, budget=budget: make(budget), ids, args.new_tokens)
+                    for ids in found]
+            cells = [interval([r[prefix] for r in runs]) if all(prefix in r for r in runs) else "–"
+                     for prefix in ("recall", "cand")]
+            print(f"| {name} | {budget} | {cells[0]} | {cells[1]} |", flush=True)
 
 if __name__ == "__main__":
     main()

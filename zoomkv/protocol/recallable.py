@@ -127,20 +127,30 @@ def recall_rows(
         reserve_recall_buffer(memory, k, prefix)
         rk = tier[f"{prefix}_keys"][:, :, :k]
         rv = tier[f"{prefix}_values"][:, :, :k]
-        held = tier.pop(f"{prefix}_held", None)  # what the slots hold from the last step (this layer's rows)
-        if idx is None or not _misses_only(memory):
+        if idx is None or not misses_only(memory):
+            tier.pop(f"{prefix}_held", None)
             gather_into(keys, idx, rk)
             gather_into(values, idx, rv)
             return rk, rv, idx
-        if grown or held is None or held.shape[:2] != idx.shape[:2]:  # nothing held that these slots can keep
-            held = torch.full_like(idx, -1)
-        elif held.shape[2] != k:  # a step that recalls more or fewer rows (Quest's partial page): its k slots
-            held = held[:, :, :k] if held.shape[2] > k else F.pad(held, (0, k - held.shape[2]), value=-1)
-        dest, fetch, rows = plan_swaps(held, idx)
+        dest, fetch, rows = swaps(memory, prefix, idx, fresh=grown)
         keys.gather_to_slots(idx, dest, fetch, rk)
         values.gather_to_slots(idx, dest, fetch, rv)
-        tier[f"{prefix}_held"] = rows
         return rk, rv, rows
+
+
+def swaps(memory, prefix: str, idx: torch.Tensor, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``plan_swaps`` for the device buffer ``prefix`` (its first ``k`` slots, ``k = idx.shape[2]``), against the
+    rows it held after the last plan (``{prefix}_held`` on the device tier, updated here); ``fresh``: the buffer
+    holds nothing yet (new, or reallocated)."""
+    tier, k = memory.device_tier, idx.shape[2]
+    held = tier.pop(f"{prefix}_held", None)
+    if fresh or held is None or held.shape[:2] != idx.shape[:2]:  # nothing held that these slots can keep
+        held = torch.full_like(idx, -1)
+    elif held.shape[2] != k:  # a step that asks for more or fewer rows (Quest's partial page): its k slots
+        held = held[:, :, :k] if held.shape[2] > k else F.pad(held, (0, k - held.shape[2]), value=-1)
+    dest, fetch, rows = plan_swaps(held, idx)
+    tier[f"{prefix}_held"] = rows
+    return dest, fetch, rows
 
 
 def plan_swaps(held: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +189,8 @@ def recall_misses_only(on: bool = True) -> Iterator[None]:
         _MISSES_ONLY = before
 
 
-def _misses_only(memory) -> bool:
+def misses_only(memory) -> bool:
+    """Whether this layer's recalls read only the rows their buffers miss (on where the host tier is pinned)."""
     if _MISSES_ONLY is not None:
         return _MISSES_ONLY
     return bool(getattr(memory, "pin_host", False)) and os.environ.get("ZOOMKV_RECALL_MISSES", "1") != "0"

@@ -60,11 +60,13 @@ from zoomkv.protocol.recallable import (
     append_valid,
     host_length,
     host_valid,
+    misses_only,
     padding_bias,
     recall_rows,
     reserve_recall_buffer,
     store_host_rows,
     store_valid,
+    swaps,
 )
 
 TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
@@ -587,11 +589,19 @@ class SeKV(RecallableMethod):
         dev, host = memory.device_tier, memory.host_tier
         m = cand.shape[-1]
         codes, rms = dev["cand_codes"][:, :, :m], dev["cand_rms"][:, :, :m]
-        host["fine_codes"].gather(cand, out=codes)  # on a GPU read from pinned memory by a kernel: no host wait
-        host["fine_rms"].gather(cand, out=rms)
+        dest = None
+        if misses_only(memory):  # the candidates' codes held from the last step stay: only the others are read
+            dest, fetch, _ = swaps(memory, "cand", cand)
+            host["fine_codes"].gather_to_slots(cand, dest, fetch, codes)
+            host["fine_rms"].gather_to_slots(cand, dest, fetch, rms)
+        else:
+            host["fine_codes"].gather(cand, out=codes)  # on a GPU read from pinned memory by a kernel: no host wait
+            host["fine_rms"].gather(cand, out=rms)
         scaling, bits = memory.meta["scaling"], self.config.rescore_bits
         vote = summed_over_queries(lambda q: torch.softmax(
             score_codes(self.rotated_query(memory, q), codes, rms, bits) * scaling, -1).sum(2), query, m)
+        if dest is not None:  # slot order back to the candidates' order
+            vote = vote.gather(-1, dest)
         vote = torch.where(torch.isinf(first), first, vote)
         return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
