@@ -12,6 +12,7 @@ import torch
 from tests.helpers import greedy, max_logit_diff, padded_batch
 from zoomkv import ZoomCache, native
 from zoomkv.kernels.gather import gather_rows, gather_rows_reference, gather_to_slots_reference
+from zoomkv.methods import get_method
 from zoomkv.models import load_model
 from zoomkv.protocol import recallable
 from zoomkv.protocol.recallable import plan_swaps, recall_misses_only
@@ -80,7 +81,7 @@ def test_the_kernel_reads_only_the_fetched_rows_into_their_own_places(interprete
 
 
 @pytest.mark.parametrize("name", ["sekv", "quest", "oracle_topk", "sentencekv", "quest+int8", "sekv+k8v4",
-                                  "quest+kivi4"])
+                                  "quest+kivi4", "sekv-host+k8v4"])  # -host: stage two from the host keys
 def test_generation_reads_fewer_rows_and_gives_the_same_tokens(name, monkeypatch):
     model, _ = load_model("tiny-llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(150, 117))
@@ -94,10 +95,12 @@ def test_generation_reads_fewer_rows_and_gives_the_same_tokens(name, monkeypatch
 
     monkeypatch.setattr(recallable, "plan_swaps", counted)
     method, _, host_format = name.partition("+")  # a coded host tier: its rows decoded into their slots
+    method, _, rescore_from = method.partition("-")
+    kwargs = {"rescore_from": rescore_from} if rescore_from else {}
     runs = []
     for on in (False, True):
         with native.torch_path(), recall_misses_only(on):
-            cache = ZoomCache(model, method, 32, kv_quant=host_format or None)
+            cache = ZoomCache(model, get_method(method, **kwargs), 32, kv_quant=host_format or None)
             runs.append(greedy(model, ids, mask, cache, new=12))
     every, misses = runs
     assert torch.equal(misses.sequences, every.sequences), name

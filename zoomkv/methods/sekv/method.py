@@ -640,11 +640,25 @@ class SeKV(RecallableMethod):
         """Stage two from the host tier's own keys (``rescore_from='host'``): the candidates decoded as stored
         and scored exactly against the group's queries (the teacher's own logits, as far as the host tier holds
         them); the ``k`` best by the group's summed softmax, forced rows (``forced``) kept, padding out."""
-        h = memory.device_tier["code_mean"].shape[1]
-        keys = memory.host_tier["keys"].gather(cand).to(query.device)  # on a GPU: read there from pinned memory
+        dev = memory.device_tier
+        h, m = dev["code_mean"].shape[1], cand.shape[-1]
+        dest = None
+        if misses_only(memory):
+            # The candidates' keys stay on the device from step to step (m_max rows a KV head, counted there):
+            # consecutive steps share most candidates, and each one read crosses PCIe (4x the recall's rows).
+            fresh = "cand_keys" not in dev or dev["cand_keys"].shape[2] < m
+            if fresh:
+                dev["cand_keys"] = memory.device_buffer(max(m, self._stage_one(memory.meta["budget"])), memory.key_dim)
+            keys = dev["cand_keys"][:, :, :m]
+            dest, fetch, _ = swaps(memory, "cand", cand, fresh=fresh)
+            memory.host_tier["keys"].gather_to_slots(cand, dest, fetch, keys)
+        else:
+            keys = memory.host_tier["keys"].gather(cand).to(query.device)  # on a GPU: read there from pinned memory
         keys_t, scaling = keys.float().transpose(-1, -2), memory.meta["scaling"]
         vote = summed_over_queries(lambda q: torch.softmax(
-            torch.matmul(group_query(q, h).float(), keys_t) * scaling, -1).sum(2), query, cand.shape[-1])
+            torch.matmul(group_query(q, h).float(), keys_t) * scaling, -1).sum(2), query, m)
+        if dest is not None:  # slot order back to the candidates' order
+            vote = vote.gather(-1, dest)
         valid = host_valid(memory)
         if valid is not None:
             vote = vote.masked_fill(~valid.expand(-1, h, -1).gather(-1, cand), float("-inf"))
