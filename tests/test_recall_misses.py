@@ -6,6 +6,12 @@ generations: the same tokens as reading every row, fewer rows read."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,6 +56,39 @@ def interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("ZOOMKV_TRITON", "1")
+
+
+def test_the_plan_kernel_plans_what_the_torch_plan_plans():
+    """The kernel (``zoomkv.kernels.plan``, what a GPU runs) against the torch plan, output for output, on random
+    sets. In a process of its own: the kernel calls triton.language's reductions, which the interpreter runs only
+    when it was on before triton was imported."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import os
+        import torch
+        from zoomkv import kernels
+        from zoomkv.protocol.recallable import plan_swaps
+        assert kernels.usable(torch.zeros(1))
+        for seed in range(14):
+            g = torch.Generator().manual_seed(seed)
+            k = int(torch.randint(1, 90, (1,), generator=g)) if seed < 12 else (700, 2100)[seed - 12]  # tiles of 4
+            n = k + int(torch.randint(0, 2 * k, (1,), generator=g))
+            held, idx = (torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(6)]).view(2, 3, k)
+                         for _ in range(2))
+            if seed % 2:  # slots that hold nothing yet
+                held[..., : int(torch.randint(0, k + 1, (1,), generator=g))] = -1
+            os.environ["ZOOMKV_TRITON"] = "1"
+            got = plan_swaps(held, idx)  # the kernel, under the interpreter
+            os.environ["ZOOMKV_TRITON"] = "0"
+            reference = plan_swaps(held, idx)  # the torch plan
+            for a, b in zip(got, reference, strict=True):
+                assert torch.equal(a, b), (seed, k)
+        print("same plans")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ZOOMKV_TRITON": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "same plans" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

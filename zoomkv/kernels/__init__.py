@@ -2,7 +2,8 @@
 
 A decode step on a GPU must never wait for the host (DESIGN.md, "Cheaper than what it replaces"): the recall
 reads pinned host memory from a device kernel (``gather_rows``), and sekv's key codes are scored where they
-sit (``score_codes``). A kernel is used where ``usable`` says so: Triton is installed, ``ZOOMKV_TRITON`` is not
+sit (``score_codes``), and a recall buffer's plan of which rows it keeps and which it reads is made there
+(``plan_swaps``). A kernel is used where ``usable`` says so: Triton is installed, ``ZOOMKV_TRITON`` is not
 ``0``, and the tensors are on a CUDA device, or anywhere under ``TRITON_INTERPRET=1`` (how the CPU tests run
 them). Everywhere else the caller takes its torch path, which computes the same function.
 """

@@ -26,7 +26,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from zoomkv import kernels
 from zoomkv.errors import ConfigError
+from zoomkv.kernels import plan as kernel_plan
 from zoomkv.protocol.dense import ROOM, append_all, keep_all, select_all
 from zoomkv.protocol.method import KVMethod, Memory, PrefillContext, RowBufferLike, Selection
 from zoomkv.protocol.phases import phase
@@ -118,8 +120,8 @@ def recall_rows(
 
     Where the host tier is across a bus (pinned memory on a GPU machine; ``recall_misses_only`` elsewhere), a
     row the buffer already holds from an earlier step stays in its slot and only the rows it misses are read:
-    consecutive steps pick mostly the same rows (~70% of them for sekv at 4K, B=128), and each row read crosses
-    PCIe. Attention does not care in which order its rows sit."""
+    consecutive steps pick mostly the same rows (sekv, Quest and exact top-B read 20-26% of them a step at
+    4K, B=128: ``scripts/recall_reads.py``), and each row read crosses PCIe. Attention does not care in which order its rows sit."""
     with phase("recall"):
         k = keys.length if idx is None else idx.shape[2]
         tier = memory.device_tier
@@ -158,7 +160,10 @@ def plan_swaps(held: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
     hold the host rows ``held`` (``[b, h, k]``, -1: nothing): a row already held keeps its slot, a missing row
     takes a slot whose row is no longer wanted (the j-th missing row the j-th such slot). Returns ``dest``, the
     slot of each of ``idx`` (a permutation of the slots), ``fetch``, which of ``idx`` must be read, and the
-    slots' rows after. Fixed shapes and no host read: on a GPU the plan stays there."""
+    slots' rows after. Fixed shapes and no host read: on a GPU the plan stays there (one kernel:
+    ``zoomkv.kernels.plan``; these torch ops are its reference)."""
+    if kernels.usable(held, idx) and kernel_plan.plan_swaps_fits(idx):  # one launch on a GPU
+        return kernel_plan.plan_swaps(held, idx)
     k = idx.shape[-1]
     idx, held = idx.contiguous(), held.contiguous()
     held_sorted, held_slot = held.sort(-1)
