@@ -69,6 +69,17 @@ def test_decode_step_reads_nothing_back(model_name, lengths, name, tmp_path_fact
     assert all(a.clean for a in audits), f"{name}: {summarize(audits)}"
 
 
+@pytest.mark.parametrize("name", ["sekv", "quest", "oracle_topk", "clusterkv"])
+def test_reading_only_the_missed_rows_reads_nothing_back(name, tmp_path):
+    """The recall a GPU runs (only the rows its buffer misses: ``recallable.plan_swaps``) plans on the device."""
+    from zoomkv import native
+    from zoomkv.protocol.recallable import recall_misses_only
+
+    with native.torch_path(), recall_misses_only(True):
+        audits = audit("tiny-llama", (90, 61), name, tmp_path)
+    assert all(a.clean for a in audits), f"{name}: {summarize(audits)}"
+
+
 def test_sentencekv_reads_back_only_when_its_sentence_slots_may_run_out(tmp_path):
     audits = audit("tiny-llama", (90, 61), "sentencekv", tmp_path, steps=40)
     assert sum(not a.clean for a in audits) <= 40 // 8, summarize(audits)
