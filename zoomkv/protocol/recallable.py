@@ -121,7 +121,8 @@ def recall_rows(
     Where the host tier is across a bus (pinned memory on a GPU machine; ``recall_misses_only`` elsewhere), a
     row the buffer already holds from an earlier step stays in its slot and only the rows it misses are read:
     consecutive steps pick mostly the same rows (sekv, Quest and exact top-B read 20-26% of them a step at
-    4K, B=128: ``scripts/recall_reads.py``), and each row read crosses PCIe. Attention does not care in which order its rows sit."""
+    4K, B=128: ``scripts/recall_reads.py``), and each row read crosses PCIe. Attention does not care in which
+    order its rows sit."""
     with phase("recall"):
         k = keys.length if idx is None else idx.shape[2]
         tier = memory.device_tier

@@ -595,6 +595,7 @@ class SeKV(RecallableMethod):
             host["fine_codes"].gather_to_slots(cand, dest, fetch, codes)
             host["fine_rms"].gather_to_slots(cand, dest, fetch, rms)
         else:
+            dev.pop("cand_held", None)  # the slots are about to hold other rows
             host["fine_codes"].gather(cand, out=codes)  # on a GPU read from pinned memory by a kernel: no host wait
             host["fine_rms"].gather(cand, out=rms)
         scaling, bits = memory.meta["scaling"], self.config.rescore_bits
@@ -653,6 +654,7 @@ class SeKV(RecallableMethod):
             dest, fetch, _ = swaps(memory, "cand", cand, fresh=fresh)
             memory.host_tier["keys"].gather_to_slots(cand, dest, fetch, keys)
         else:
+            dev.pop("cand_held", None)
             keys = memory.host_tier["keys"].gather(cand).to(query.device)  # on a GPU: read there from pinned memory
         keys_t, scaling = keys.float().transpose(-1, -2), memory.meta["scaling"]
         vote = summed_over_queries(lambda q: torch.softmax(
