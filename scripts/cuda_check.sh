@@ -7,8 +7,8 @@
 #   bash scripts/cuda_check.sh [OUT_DIR] [PARTS]
 #
 # PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), every (the same reading every
-# recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the rows not already held), chunked (the same, prefilled 4K tokens
-# at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with phases and host syncs), train
+# recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the rows not already held),
+# chunked (the same, prefilled 4K tokens at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with phases and host syncs), train
 # (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the
 # SmolLM2 shape at 8K, batch 4).
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that

@@ -25,8 +25,8 @@ def gather_rows_reference(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def gather_to_slots_reference(rows: torch.Tensor, out: torch.Tensor, dest: torch.Tensor,
                               fetch: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes with slots, given the rows ``idx`` names (``rows`` ``[b, h, k, d]``): slot
-    ``dest[j]`` of ``out`` takes row ``j`` where ``fetch[j]`` (None: everywhere), and keeps what it holds elsewhere. ``dest`` is a
-    permutation of ``out``'s first ``k`` slots (each written once)."""
+    ``dest[j]`` of ``out`` takes row ``j`` where ``fetch[j]`` (None: everywhere), and keeps what it holds
+    elsewhere. ``dest`` is a permutation of ``out``'s first ``k`` slots (each written once)."""
     at = dest.to(out.device)[..., None].expand(-1, -1, -1, out.shape[-1])
     rows = rows.to(out.device, out.dtype)
     if fetch is not None:
