@@ -148,10 +148,11 @@ def test_decode_steps_never_synchronise_the_device(tiny, name, tmp_path):
     _steps_without_a_wait(tiny, ZoomCache(tiny, method, max(method.min_budget(), 40) if method.uses_budget else None))
 
 
-@pytest.mark.parametrize("host_format", ["k8v4", "int4"])
+@pytest.mark.parametrize("host_format", ["k8v4", "int4", "kivi4g64"])
 def test_a_coded_host_tier_never_synchronises_the_device(tiny, host_format):
     """The quickstart adapter's host tier (keys at 8 bits, values at 4, rescored from the host keys): codes
-    gathered from pinned memory by the kernel and decoded on the GPU."""
+    gathered from pinned memory by the kernel and decoded on the GPU; KIVI's keys with their open block on the
+    GPU (a filled block coded there and copied out without waiting)."""
     method = get_method("sekv", rescore_from="host")
     _steps_without_a_wait(tiny, ZoomCache(tiny, method, 40, kv_quant=host_format))
 

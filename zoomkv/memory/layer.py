@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from zoomkv.memory.quant import QuantizedRowBuffer, row_buffer
+from zoomkv.memory.quant import row_buffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
 HOST_ROOM = 256  # rows a GPU machine's pinned host buffers hold past the prompt
@@ -141,8 +141,9 @@ class LayerMemory(CacheLayerMixin):
         ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
         if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
-            coded = row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host)
-            if self.pin_host and type(coded) is QuantizedRowBuffer:  # room, as below (KIVI's re-lays its own)
+            coded = row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host,
+                               open_device=self.device)
+            if self.pin_host:  # room, as below
                 coded.reserve(HOST_ROOM)
             return coded
         if self.pin_host and tensor.is_cuda:

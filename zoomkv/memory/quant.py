@@ -229,12 +229,13 @@ def _code_native(rows: torch.Tensor, codes: RowBuffer, scale: RowBuffer, lo: Row
     return True
 
 
-def row_buffer(data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False) -> RowBuffer:
-    """A quantized buffer for rows ``data`` ``[b, h, n, d]``: per channel (``ChannelQuantizedRowBuffer``) or
-    per token (``QuantizedRowBuffer``), as ``spec`` says."""
+def row_buffer(data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False,
+               open_device: torch.device | None = None) -> RowBuffer:
+    """A quantized buffer for rows ``data`` ``[b, h, n, d]``: per channel (``ChannelQuantizedRowBuffer``, its
+    open block on ``open_device``) or per token (``QuantizedRowBuffer``), as ``spec`` says."""
     q = spec.for_rows() if isinstance(spec, QuantSpec) else spec
     if q.layout == "channel":
-        return ChannelQuantizedRowBuffer(data, q, pinned=pinned)
+        return ChannelQuantizedRowBuffer(data, q, pinned=pinned, open_device=open_device)
     return QuantizedRowBuffer(data, q, pinned=pinned)
 
 
@@ -385,9 +386,15 @@ class QuantizedRowBuffer(RowBuffer):
 class ChannelQuantizedRowBuffer(RowBuffer):
     """Rows quantized per channel over blocks of ``group_size`` tokens (KIVI's key layout): codes per row,
     one fp16 scale and minimum per block and channel. The newest rows that do not fill a block are held exact
-    (``residual``) until they do; then the block is coded and they go. Only the rows gathered are decoded."""
+    (``residual``) until they do; then the block is coded and they go. Only the rows gathered are decoded.
 
-    def __init__(self, data: torch.Tensor, spec: RowQuant, *, pinned: bool = False):
+    ``open_device``: where the open block lives (default: with the codes). A host tier on a GPU machine keeps it
+    on the GPU, as KIVI keeps its residual there: a step appends its row on the GPU, a filled block is coded there
+    and its codes go to pinned host memory by an asynchronous copy, and a recall reads codes, scales and minimums
+    by the pinned-memory kernel, so no step waits on the host. Its bytes (under one block) count with the codes."""
+
+    def __init__(self, data: torch.Tensor, spec: RowQuant, *, pinned: bool = False,
+                 open_device: torch.device | None = None):
         self.spec = spec
         self.bits = spec.bits
         self.block = spec.group_size
@@ -405,7 +412,8 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         self.scale.GROW_ROWS = self.lo.GROW_ROWS = max(1, RowBuffer.GROW_ROWS // self.block)  # blocks, not rows
         self.pinned = self.codes.pinned
         self._append_blocks(data[:, :, :full])
-        self.residual = data[:, :, full:].contiguous()  # < block rows: a plain tensor, no room to grow into
+        # < block rows: a plain tensor, no room to grow into
+        self.residual = data[:, :, full:].to(open_device or data.device).contiguous()
 
     def _append_blocks(self, rows: torch.Tensor) -> None:
         """Whole blocks of rows coded after the buffers' rows: by the compiled quantizer on CPU float32 rows,
@@ -452,7 +460,15 @@ class ChannelQuantizedRowBuffer(RowBuffer):
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes.data, self.scale.data, self.lo.data, self.residual]
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more rows (and their blocks) in the coded parts."""
+        self.codes.reserve(n)
+        for part in (self.scale, self.lo):
+            part.reserve(-(-n // self.block))
+
     def append(self, rows: torch.Tensor) -> None:
+        # on the open block's device (the GPU's own rows there): a filled block is coded on it and leaves for the
+        # codes' buffers, asynchronously where they are pinned
         pending = torch.cat([self.residual, rows.to(self.residual.device, self.residual.dtype)], 2)
         full = pending.shape[2] - pending.shape[2] % self.block
         self._append_blocks(pending[:, :, :full])
@@ -464,7 +480,7 @@ class ChannelQuantizedRowBuffer(RowBuffer):
     def view(self) -> torch.Tensor:
         n = self.codes.length
         return torch.cat([self._decoded(self.codes.view(), torch.arange(n, device=self.codes.data.device)),
-                          self.residual.to(self.dtype)], 2)
+                          self.residual.to(self.codes.data.device, self.dtype)], 2)
 
     def _decoded(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Codes ``[b, h, k, ·]`` of rows ``rows`` (``[k]`` or ``[b, h, k]``) decoded with their blocks' scales."""
@@ -472,7 +488,10 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         at = block[..., None].expand(-1, -1, -1, self.width)
         scale = self.scale.view().gather(2, at).float()
         lo = self.lo.view().gather(2, at).float()
-        return (unpack(codes, self.bits).float() * scale + lo).to(self.dtype)
+        return self._dequantized(codes, scale, lo)
+
+    def _dequantized(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        return (unpack(codes, self.bits).float() * scale.float() + lo.float()).to(self.dtype)
 
     def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
         """Rows ``idx`` decoded into slots ``dest`` of ``out``, every one of them: a row held exact in the open
@@ -486,14 +505,18 @@ class ChannelQuantizedRowBuffer(RowBuffer):
     def _gather(self, idx: torch.Tensor | None) -> torch.Tensor:
         if idx is None:
             return self.view()
-        idx = idx.to(self.codes.data.device).expand(self.codes.data.shape[0], self.codes.data.shape[1], -1)
+        # where the indices are: on a GPU the coded rows come from pinned memory by the kernel (RowBuffer.gather)
+        idx = idx.expand(self.codes.data.shape[0], self.codes.data.shape[1], -1)
         n, r = self.codes.length, self.residual.shape[2]
         parts = []
         if n:
-            parts.append(self._decoded(self.codes.gather(idx.clamp(max=n - 1)), idx.clamp(max=n - 1)))
+            coded = idx.clamp(max=n - 1)
+            block = coded // self.block
+            parts.append(self._dequantized(self.codes.gather(coded), self.scale.gather(block),
+                                           self.lo.gather(block)).to(idx.device))
         if r:
-            at = (idx - n).clamp(0, r - 1)[..., None].expand(-1, -1, -1, self.width)
-            parts.append(self.residual.gather(2, at).to(self.dtype))
+            at = (idx.to(self.residual.device) - n).clamp(0, r - 1)[..., None].expand(-1, -1, -1, self.width)
+            parts.append(self.residual.gather(2, at).to(self.dtype).to(idx.device))
         if len(parts) == 1:
             return parts[0]
         return torch.where((idx < n)[..., None], parts[0], parts[1])

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ZoomKVError
 
 # Ops whose result is a Python value read from a tensor.
@@ -200,15 +201,16 @@ def audit_decode(model: Any, cache: Any, input_ids: torch.Tensor, attention_mask
     forwards are audited: the prefill, the argmax and the mask bookkeeping between steps are the caller's."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    passed = generate_cache_kwargs(cache)  # cache= or past_key_values=, as this transformers version names it
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **passed)
     audits = []
     for _ in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
         position = attention_mask.sum(-1, keepdim=True) - 1
         with SyncAudit() as audit:
-            out = model(input_ids=token, attention_mask=attention_mask, position_ids=position, past_key_values=cache,
-                        use_cache=True)
+            out = model(input_ids=token, attention_mask=attention_mask, position_ids=position, use_cache=True,
+                        **passed)
         audits.append(audit)
     return audits
 
