@@ -526,10 +526,10 @@ class SeKVTraining(MethodTraining):
         flat_o = [x for v in oracle.values() for x in v]
         return {"kept_mass": round(sum(flat) / len(flat), 4), "oracle_mass": round(sum(flat_o) / len(flat_o), 4),
                 "anchor_share": round(sum(anchors) / len(anchors), 4), "layers": per_layer,
-                "tau": [round(float(x), 3) for x in modules.span_tau],
+                "tau": [round(float(x), 3) for x in modules.span_tau.detach()],  # (read, not differentiated)
                 "host_rank": [[int(n) for n in (modules.rank_gate[layer] > 0).sum(-1)]
                               for layer in range(modules.num_layers)],
-                "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares()],
+                "layer_budgets": [round(recipe.budget * float(s), 1) for s in modules.layer_shares().detach()],
                 "gain_spread": round(float(modules.code_gain.detach().std()), 4)}
 
     def with_modules(self, config: SeKVConfig, modules: SeKVAdapter | None) -> SeKV:
