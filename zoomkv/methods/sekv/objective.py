@@ -429,7 +429,7 @@ class SeKVTraining(MethodTraining):
         o = recipe.options
         if not o.host_budget:
             return {}
-        budgets = [round(recipe.budget * float(share)) for share in modules.layer_shares()]  # sekv's split
+        budgets = [round(recipe.budget * float(share)) for share in modules.layer_shares().detach()]  # sekv's split
         pattern, report = fit_host_bits(samples, o.host_format, o.host_budget, budgets, modules.head_dim,
                                         o.rescore_bits if o.rescore_from == "codes" else 0, kl=o.host_fit_kl)
         log.info("host bits fitted to %.3f of full KV (reached %.3f): %s", o.host_budget, report["host_share"],
