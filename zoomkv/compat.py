@@ -1,4 +1,4 @@
-"""Every call that depends on the transformers version lives here (tested with transformers 5.24).
+"""Every call that depends on the transformers version lives here (tested with transformers 5.24 and 5.25).
 
 - 5.x renames the cache argument of forward/generate from ``past_key_values`` to ``cache`` (5.24 warns on
   the old name); ``cache_kwarg()`` says which one this version takes.
