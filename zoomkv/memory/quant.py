@@ -485,13 +485,9 @@ class ChannelQuantizedRowBuffer(RowBuffer):
     def _decoded(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Codes ``[b, h, k, ·]`` of rows ``rows`` (``[k]`` or ``[b, h, k]``) decoded with their blocks' scales."""
         block = (rows // self.block).expand(*codes.shape[:3]) if rows.dim() == 1 else rows // self.block
-        at = block[..., None].expand(-1, -1, -1, self.width)
-        scale = self.scale.view().gather(2, at).float()
-        lo = self.lo.view().gather(2, at).float()
-        return self._dequantized(codes, scale, lo)
-
-    def _dequantized(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-        return (unpack(codes, self.bits).float() * scale.float() + lo.float()).to(self.dtype)
+        # RowBuffer.gather: by the pinned-memory kernel where the blocks are pinned and the rows on a GPU
+        scale, lo = self.scale.gather(block).float(), self.lo.gather(block).float()
+        return (unpack(codes, self.bits).float() * scale + lo).to(self.dtype)
 
     def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
         """Rows ``idx`` decoded into slots ``dest`` of ``out``, every one of them: a row held exact in the open
@@ -511,9 +507,7 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         parts = []
         if n:
             coded = idx.clamp(max=n - 1)
-            block = coded // self.block
-            parts.append(self._dequantized(self.codes.gather(coded), self.scale.gather(block),
-                                           self.lo.gather(block)).to(idx.device))
+            parts.append(self._decoded(self.codes.gather(coded), coded).to(idx.device))
         if r:
             at = (idx.to(self.residual.device) - n).clamp(0, r - 1)[..., None].expand(-1, -1, -1, self.width)
             parts.append(self.residual.gather(2, at).to(self.dtype).to(idx.device))
