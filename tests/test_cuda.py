@@ -250,6 +250,49 @@ def test_score_codes_on_the_gpu_matches_the_byte_tables(bits, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_encode_on_the_gpu_writes_the_cpus_codes(bits):
+    """The encode kernel, compiled, against the torch path on the CPU: the same bytes (a coordinate on a level's
+    edge may round the other way: at most one in 10^4) and RMS within fp16's step."""
+    from zoomkv.kernels import encode as kernel_encode
+    from zoomkv.methods.sekv import codes
+
+    _cuda_only()
+    keys = torch.randn(4, 8, 3000, 128) * 3
+    got, rms = kernel_encode.encode_codes(keys.to(DEVICE), bits, codes.level_step(bits))
+    ref, ref_rms = codes.encode(keys, bits)  # CPU tensors: the torch path
+    assert (got.cpu() != ref).float().mean() < 1e-4
+    torch.testing.assert_close(rms.cpu(), ref_rms, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tail_row_on_the_gpu_is_the_cpus(dtype):
+    """The softmax tail's kernel, compiled, against with_tail's torch path on the CPU (padding, a merged row)."""
+    from types import SimpleNamespace
+
+    from zoomkv.memory.tail import with_tail
+    from zoomkv.protocol.method import Selection
+
+    _cuda_only()
+    every = torch.randn(2, 8, 4000, 128), torch.randn(2, 8, 4000, 128)
+    bias = torch.zeros(2, 8, 1000)
+    bias[0, :, :7] = float("-inf")
+    bias[1, 3, 5] = 2.0
+    sel = [t[:, :, 500:1500] for t in every]
+
+    def tail(device):
+        tier = {"tail_key_sum": every[0].sum(2, keepdim=True).to(device),
+                "tail_value_sum": every[1].sum(2, keepdim=True).to(device),
+                "tail_count": torch.full((2, 8, 1), 4000.0, device=device)}
+        picked = Selection(*(t.to(device, dtype) for t in sel), bias.to(device, dtype))
+        return with_tail(SimpleNamespace(device_tier=tier), picked, offset=torch.linspace(-1, 1, 8, device=device))
+
+    got, ref = tail(DEVICE), tail("cpu")
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype is torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for a, r in zip((got.keys, got.values, got.bias), (ref.keys, ref.values, ref.bias), strict=True):
+        torch.testing.assert_close(a.cpu(), r, **tol)
+
+
 @pytest.mark.parametrize("name", ["sekv", "quest", "oracle_topk", "streamingllm"])
 def test_the_gpu_step_selects_what_the_cpu_step_selects(tiny, name):
     """The same greedy tokens from the GPU's step (torch ops and Triton kernels) as from the CPU's (the

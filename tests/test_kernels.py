@@ -8,6 +8,8 @@ compiled.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ pytest.importorskip("triton")
 
 from zoomkv import kernels  # noqa: E402
 from zoomkv.kernels import codes as kernel_codes  # noqa: E402
+from zoomkv.kernels import encode as kernel_encode  # noqa: E402
 from zoomkv.kernels.gather import gather_rows, gather_rows_reference  # noqa: E402
 from zoomkv.methods.sekv import codes  # noqa: E402
 
@@ -64,6 +67,72 @@ def test_score_codes_kernel_matches_the_byte_tables(interpreter, monkeypatch, bi
     monkeypatch.setenv("ZOOMKV_TRITON", "0")  # score_codes' own table path: the reference
     ref = codes.score_codes(query, packed[:, :, :61], rms[:, :, :61], bits)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dim", [16, 32, 64, 96, 128, 256])
+def test_encode_kernel_writes_the_codes_torch_writes(interpreter, monkeypatch, bits, dim):
+    """The same bytes and RMS as ``encode``'s torch path, bit for bit: levels past the outer ones clamped, a row
+    of zeros, a bf16 input and a strided one (a buffer's slice)."""
+    g = torch.Generator().manual_seed(bits + dim)
+    keys = torch.randn(2, 3, 45, dim, generator=g) * torch.rand(2, 3, 45, 1, generator=g) * 4
+    keys[0, 0, 3] = 0.0
+    keys[1, 2, 7, : dim // 2] = 40.0  # beyond the outer levels once normalised
+    for x in (keys, keys[:, :, 5:38], keys.to(torch.bfloat16)):
+        packed = torch.full((*x.shape[:-1], dim * bits // 8), 7, dtype=torch.uint8)
+        got, rms = kernel_encode.encode_codes(x, bits, codes.level_step(bits))
+        packed.copy_(got)
+        monkeypatch.setenv("ZOOMKV_TRITON", "0")  # encode's own torch path: the reference
+        ref, ref_rms = codes.encode(x, bits)
+        monkeypatch.setenv("ZOOMKV_TRITON", "1")
+        assert torch.equal(packed, ref) and torch.equal(rms, ref_rms)
+    called = []
+    monkeypatch.setattr(kernel_encode, "encode_codes", lambda *a: called.append(1) or (ref, ref_rms))
+    codes.encode(keys, bits)
+    assert called  # encode takes the kernel where one runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "padding and merged rows", "trained offset", "nothing left out"])
+def test_tail_kernel_writes_the_row_with_tail_writes(interpreter, monkeypatch, dtype, case):
+    """The softmax tail's row by the kernel against ``with_tail``'s torch path: key, value and bias, with a
+    selection of plain rows, of padding (bias -inf) and merged rows (bias log c), a trained bias offset, and a
+    selection covering every row (the row must weigh nothing), over more rows than one tile reads."""
+    from types import SimpleNamespace
+
+    from zoomkv.kernels import tail as kernel_tail
+    from zoomkv.memory.tail import with_tail
+    from zoomkv.protocol.method import Selection
+
+    g = torch.Generator().manual_seed(len(case))
+    b, h, k, dk, dv, n = 2, 3, 75, 64, 48, 300
+    every = torch.randn(b, h, n, dk, generator=g), torch.randn(b, h, n, dv, generator=g)
+    tier = {"tail_key_sum": every[0].sum(2, keepdim=True), "tail_value_sum": every[1].sum(2, keepdim=True),
+            "tail_count": torch.full((b, h, 1), float(n))}
+    if case == "nothing left out":
+        tier["tail_count"] = torch.full((b, h, 1), float(k))
+    keys, values = every[0][:, :, 100:100 + k].to(dtype), every[1][:, :, 100:100 + k].to(dtype)
+    bias = None
+    if case == "padding and merged rows":
+        bias = torch.zeros(b, h, k, dtype=dtype)
+        bias[0, :, :5] = float("-inf")
+        bias[1, 1, 10:14] = math.log(6.0)
+    offset = torch.tensor([0.5, -1.0, 2.0]) if case == "trained offset" else None
+    memory = SimpleNamespace(device_tier=tier)
+    sel = Selection(keys, values, bias)
+    called = []
+    real = kernel_tail.tail_row
+    monkeypatch.setattr(kernel_tail, "tail_row", lambda *a: called.append(1) or real(*a))
+    got = with_tail(memory, sel, offset=offset)
+    assert called  # with_tail takes the kernel where one runs
+    monkeypatch.setenv("ZOOMKV_TRITON", "0")  # with_tail's torch path: the reference
+    ref = with_tail(memory, sel, offset=offset)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype is torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for a, r in zip((got.keys, got.values, got.bias), (ref.keys, ref.values, ref.bias), strict=True):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        torch.testing.assert_close(a, r, **tol)
+    if case == "nothing left out":
+        assert torch.isneginf(got.bias[..., -1]).all()
 
 
 def test_level_step_gives_the_levels():

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from zoomkv.kernels import tail as kernel_tail
 from zoomkv.protocol.method import PrefillContext, Selection
 
 
@@ -44,6 +45,14 @@ def with_tail(memory, sel: Selection, prefix: str = "tail", offset: torch.Tensor
     ``prefix``: whose running sums (a method keeping its own summary row names its own); ``offset``
     (``[kv_heads]``, a trained method's) is added to the row's ``log(count)`` bias."""
     tier = memory.device_tier
+    if kernel_tail.tail_row_usable(sel.keys, sel.values):  # on a GPU: one kernel for the row, not ~18 ops
+        row = kernel_tail.tail_row(sel.keys, sel.values, sel.bias, tier[f"{prefix}_key_sum"],
+                                   tier[f"{prefix}_value_sum"], tier[f"{prefix}_count"], offset,
+                                   sel.bias.dtype if sel.bias is not None else sel.keys.dtype)
+        bias = sel.bias if sel.bias is not None else torch.zeros(sel.keys.shape[:3], dtype=row[2].dtype,
+                                                                 device=sel.keys.device)
+        return Selection(torch.cat([sel.keys, row[0]], dim=2), torch.cat([sel.values, row[1]], dim=2),
+                         torch.cat([bias, row[2]], dim=2))
     keys, values = sel.keys.float(), sel.values.float()
     if sel.bias is not None:
         # A row with bias log n stands for n originals (merged rows); -inf (padding) for none.

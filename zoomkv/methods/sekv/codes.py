@@ -22,6 +22,7 @@ import math
 import torch
 
 from zoomkv.kernels import codes as kernel_codes
+from zoomkv.kernels import encode as kernel_encode
 
 BITS = (1, 2, 4, 8)
 # The squared-error-optimal uniform step for a standard normal coordinate, by bits (Max 1960, Table II).
@@ -66,8 +67,11 @@ def quantize(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centred, rotated keys ``x`` ``[..., d]`` → ``(codes uint8 [..., d·bits/8], rms fp16 [..., 1])``."""
+    """Centred, rotated keys ``x`` ``[..., d]`` → ``(codes uint8 [..., d·bits/8], rms fp16 [..., 1])``; on a GPU
+    one kernel (``zoomkv.kernels.encode``, held to this)."""
     check_bits(bits, x.shape[-1])
+    if kernel_encode.encode_codes_usable(x):
+        return kernel_encode.encode_codes(x, bits, _GAUSS_STEP.get(bits, 0.0))
     x = x.float()
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     idx = quantize(x / rms.clamp_min(1e-12), bits)
