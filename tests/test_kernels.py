@@ -72,8 +72,8 @@ def test_score_codes_kernel_matches_the_byte_tables(interpreter, monkeypatch, bi
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("dim", [16, 32, 64, 96, 128, 256])
 def test_encode_kernel_writes_the_codes_torch_writes(interpreter, monkeypatch, bits, dim):
-    """The same bytes and RMS as ``encode``'s torch path, bit for bit: levels past the outer ones clamped, a row
-    of zeros, a bf16 input and a strided one (a buffer's slice)."""
+    """The same bytes as ``encode``'s torch path, bit for bit, and the same RMS within one fp16 step: levels past
+    the outer ones clamped, a row of zeros, a bf16 input and a strided one (a buffer's slice)."""
     g = torch.Generator().manual_seed(bits + dim)
     keys = torch.randn(2, 3, 45, dim, generator=g) * torch.rand(2, 3, 45, 1, generator=g) * 4
     keys[0, 0, 3] = 0.0
@@ -85,7 +85,8 @@ def test_encode_kernel_writes_the_codes_torch_writes(interpreter, monkeypatch, b
         monkeypatch.setenv("ZOOMKV_TRITON", "0")  # encode's own torch path: the reference
         ref, ref_rms = codes.encode(x, bits)
         monkeypatch.setenv("ZOOMKV_TRITON", "1")
-        assert torch.equal(packed, ref) and torch.equal(rms, ref_rms)
+        assert torch.equal(packed, ref)
+        torch.testing.assert_close(rms, ref_rms, rtol=1e-3, atol=0)  # the sum's order differs: an fp16 step at most
     called = []
     monkeypatch.setattr(kernel_encode, "encode_codes", lambda *a: called.append(1) or (ref, ref_rms))
     codes.encode(keys, bits)
