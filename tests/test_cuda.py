@@ -265,6 +265,31 @@ def test_encode_on_the_gpu_writes_the_cpus_codes(bits):
     torch.testing.assert_close(rms.cpu(), ref_rms, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "k8v4"])
+def test_a_coded_host_tier_is_decoded_on_the_gpu_as_on_the_cpu(fmt):
+    """The dequantizing recall kernel, compiled: pinned codes read by GPU indices, decoded into slots, no host
+    wait; the rows the CPU's torch path decodes (within one ulp of fp32: the GPU may fuse the multiply-add)."""
+    from zoomkv.memory.quant import QuantSpec, row_buffer
+
+    _cuda_only()
+    rows = torch.randn(4, 8, 3000, 128) * 3
+    pinned = row_buffer(rows, QuantSpec.parse(fmt).for_rows("values"), pinned=True)
+    on_cpu = row_buffer(rows, QuantSpec.parse(fmt).for_rows("values"))
+    idx = torch.stack([torch.randperm(3000)[:1000] for _ in range(32)]).view(4, 8, 1000)
+    dest = torch.stack([torch.randperm(1000) for _ in range(32)]).view(4, 8, 1000)
+    fetch = torch.rand(4, 8, 1000) < 0.3
+    out = torch.zeros(4, 8, 1000, 128, device=DEVICE)
+    ref = torch.zeros(4, 8, 1000, 128)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pinned.gather_to_slots(idx.to(DEVICE), dest.to(DEVICE), fetch.to(DEVICE), out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    on_cpu.gather_to_slots(idx, dest, fetch, ref)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tail_row_on_the_gpu_is_the_cpus(dtype):
     """The softmax tail's kernel, compiled, against with_tail's torch path on the CPU (padding, a merged row)."""

@@ -136,6 +136,41 @@ def test_tail_kernel_writes_the_row_with_tail_writes(interpreter, monkeypatch, d
         assert torch.isneginf(got.bias[..., -1]).all()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "k8v4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_coded_host_tiers_rows_are_decoded_by_the_kernel_as_torch_decodes_them(interpreter, monkeypatch, fmt,
+                                                                                dtype):
+    """A per-token coded buffer's recall by the kernel (``zoomkv.kernels.dequant``) against its torch path: the
+    rows named, into slots, only the fetched ones (the others untouched), and into a buffer in order."""
+    from zoomkv.kernels import dequant as kernel_dequant
+    from zoomkv.memory.quant import QuantSpec, row_buffer
+
+    g = torch.Generator().manual_seed(len(fmt))
+    rows = (torch.randn(2, 3, 90, 64, generator=g) * 3).to(dtype)
+    buf = row_buffer(rows[:, :, :70], QuantSpec.parse(fmt).for_rows("values"))
+    buf.append(rows[:, :, 70:])
+    idx = torch.stack([torch.stack([torch.randperm(90, generator=g)[:40] for _ in range(3)]) for _ in range(2)])
+    dest = torch.stack([torch.stack([torch.randperm(40, generator=g) for _ in range(3)]) for _ in range(2)])
+    fetch = torch.rand(2, 3, 40, generator=g) < 0.5
+    called = []
+    real = kernel_dequant.gather_dequantized
+    monkeypatch.setattr(kernel_dequant, "gather_dequantized", lambda *a, **k: called.append(1) or real(*a, **k))
+    slots, ordered = torch.full((2, 3, 44, 64), 5.0, dtype=dtype), torch.full((2, 3, 40, 64), 5.0, dtype=dtype)
+    buf.gather_to_slots(idx, dest, fetch, slots)
+    buf.gather(idx, out=ordered)
+    assert len(called) == 2
+    monkeypatch.setenv("ZOOMKV_TRITON", "0")  # the torch path: the reference
+    ref_slots, ref_ordered = torch.full_like(slots, 5.0), torch.full_like(ordered, 5.0)
+    buf.gather_to_slots(idx, dest, fetch, ref_slots)
+    buf.gather(idx, out=ref_ordered)
+    if dtype is torch.float32:
+        assert torch.equal(slots, ref_slots) and torch.equal(ordered, ref_ordered)
+    else:  # the interpreter rounds float32 to bf16 by cutting bits (a GPU rounds to nearest): one bf16 step
+        torch.testing.assert_close(slots, ref_slots, rtol=2**-7, atol=0)
+        torch.testing.assert_close(ordered, ref_ordered, rtol=2**-7, atol=0)
+    assert (slots[:, :, 40:] == 5).all()
+
+
 def test_level_step_gives_the_levels():
     for bits in codes.BITS:
         c = torch.arange(2**bits, dtype=torch.float32)

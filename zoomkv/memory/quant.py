@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from zoomkv.errors import ConfigError
+from zoomkv.kernels import dequant as kernel_dequant
 from zoomkv.kernels.gather import gather_to_slots_reference
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
@@ -356,13 +357,29 @@ class QuantizedRowBuffer(RowBuffer):
                              None if self.exact is None else self.exact.rows_on(device))
 
     def gather_to_slots(self, idx: torch.Tensor, dest: torch.Tensor, fetch: torch.Tensor, out: torch.Tensor) -> None:
-        """Rows ``idx`` decoded into slots ``dest`` of ``out`` where ``fetch``: on a GPU only the fetched rows'
-        codes are read from pinned memory (the rest decode what is left in their place, then are dropped)."""
-        gather_to_slots_reference(self._gather(idx, fetch), out, dest, fetch)
+        """Rows ``idx`` decoded into slots ``dest`` of ``out`` where ``fetch``: on a GPU one kernel reads only the
+        fetched rows' codes from pinned memory and decodes them into their slots."""
+        if not self._decode_in_kernel(idx, out, dest, fetch):
+            gather_to_slots_reference(self._gather(idx, fetch), out, dest, fetch)
 
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if idx is not None and out is not None and self._decode_in_kernel(idx, out):
+            return out
         found = self._gather(idx)
         return found if out is None else out.copy_(found, non_blocking=True)
+
+    def _decode_in_kernel(self, idx: torch.Tensor, out: torch.Tensor, dest: torch.Tensor | None = None,
+                          fetch: torch.Tensor | None = None) -> bool:
+        """Rows ``idx`` read and decoded by one kernel (``zoomkv.kernels.dequant``) where one runs (codes in pinned
+        memory or on the GPU, indices on the GPU) and the rows are the codes alone (no exact channels, no pad);
+        False, nothing written, elsewhere."""
+        codes, scale, lo = (part.data[:, :, : self.length] for part in (self.codes, self.scale, self.lo))
+        if self.exact is not None or self.pad or scale.stride() != lo.stride() or out.dtype != self.dtype \
+                or not kernel_dequant.gather_dequantized_usable(codes, idx, out):
+            return False
+        # (pinned rows still in flight from the GPU are ordered before the kernel by the stream: nothing to wait for)
+        kernel_dequant.gather_dequantized(codes, scale, lo, idx, self.bits, out, dest=dest, fetch=fetch)
+        return True
 
     def _gather(self, idx: torch.Tensor | None, fetch: torch.Tensor | None = None) -> torch.Tensor:
         """Only the rows asked for are dequantized: a step's recall costs O(k), not O(rows held); ``fetch``: only
