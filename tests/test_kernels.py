@@ -171,6 +171,39 @@ def test_a_coded_host_tiers_rows_are_decoded_by_the_kernel_as_torch_decodes_them
     assert (slots[:, :, 40:] == 5).all()
 
 
+# a constant row's scale floor (1e-8) is 0 in fp16: its codes are 0 / 0 in both paths (and decode to its value)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group,dim", [(32, 64), (32, 128), (64, 64), (16, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quantize_kernel_codes_rows_as_torch_codes_them(interpreter, monkeypatch, bits, group, dim, dtype):
+    """Per-token codes, scales and minimums by the kernel against ``quantize``'s torch path, bit for bit: random
+    rows, a constant row (scale at its floor), rows whose values sit on half steps (ties round to even), a
+    strided input."""
+    from zoomkv.kernels import quantize as kernel_quantize
+    from zoomkv.memory import quant
+
+    g = torch.Generator().manual_seed(bits * dim + group)
+    x = torch.randn(2, 3, 40, dim, generator=g) * torch.rand(2, 3, 40, 1, generator=g) * 5
+    x[0, 0, 1] = 0.75
+    levels = (1 << bits) - 1
+    ties = torch.arange(dim, dtype=torch.float32) % levels + 0.5  # every group from 0 to levels: a scale of 1,
+    ties[0::group], ties[1::group] = 0.0, float(levels)  # so the other values fall on half steps: ties
+    x[1, 2, 3] = ties
+    x = x.to(dtype)
+    called = []
+    real = kernel_quantize.quantize_rows
+    monkeypatch.setattr(kernel_quantize, "quantize_rows", lambda *a: called.append(1) or real(*a))
+    for rows in (x, x[:, :, 3:30]):
+        got = quant.quantize(rows, bits, group)
+        monkeypatch.setenv("ZOOMKV_TRITON", "0")  # quantize's torch path: the reference
+        ref = quant.quantize(rows, bits, group)
+        monkeypatch.setenv("ZOOMKV_TRITON", "1")
+        for a, r in zip(got, ref, strict=True):
+            assert a.dtype == r.dtype and torch.equal(a, r)
+    assert len(called) == 2
+
+
 def test_level_step_gives_the_levels():
     for bits in codes.BITS:
         c = torch.arange(2**bits, dtype=torch.float32)

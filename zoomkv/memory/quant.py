@@ -31,6 +31,7 @@ import torch
 
 from zoomkv.errors import ConfigError
 from zoomkv.kernels import dequant as kernel_dequant
+from zoomkv.kernels import quantize as kernel_quantize
 from zoomkv.kernels.gather import gather_to_slots_reference
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
@@ -185,6 +186,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     group_size = min(group_size, d)  # small heads: one group per row
     if d % group_size or d % (8 // bits):
         raise ConfigError(f"quantization group size {group_size} (or {bits}-bit packing) does not divide {d}")
+    if kernel_quantize.quantize_rows_usable(x, bits, group_size):  # on a GPU: one kernel, not ~16 ops
+        return kernel_quantize.quantize_rows(x, bits, group_size)
     groups = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
     lo = groups.amin(dim=-1, keepdim=True).half()
     codes, scale = _codes(groups, lo, groups.amax(dim=-1, keepdim=True), bits)
