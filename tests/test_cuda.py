@@ -265,6 +265,20 @@ def test_encode_on_the_gpu_writes_the_cpus_codes(bits):
     torch.testing.assert_close(rms.cpu(), ref_rms, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_rows_are_coded_on_the_gpu_as_on_the_cpu(bits):
+    """The per-token quantize kernel, compiled, against quantize's torch path on the CPU: the same codes,
+    scales and minimums."""
+    from zoomkv.memory import quant
+
+    _cuda_only()
+    rows = torch.randn(4, 8, 3000, 128) * torch.rand(4, 8, 3000, 1) * 5
+    got = quant.quantize(rows.to(DEVICE), bits, 32)
+    ref = quant.quantize(rows, bits, 32)  # CPU tensors: the torch path
+    for a, r in zip(got, ref, strict=True):
+        assert torch.equal(a.cpu(), r)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k8v4"])
 def test_a_coded_host_tier_is_decoded_on_the_gpu_as_on_the_cpu(fmt):
     """The dequantizing recall kernel, compiled: pinned codes read by GPU indices, decoded into slots, no host
