@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 from zoomkv import ZoomCache, native  # noqa: E402
+from zoomkv.compat import generate_cache_kwargs  # noqa: E402
 from zoomkv.memory import sync_audit  # noqa: E402
 from zoomkv.models import load_model  # noqa: E402
 from zoomkv.protocol.recallable import recall_misses_only  # noqa: E402
@@ -78,14 +79,14 @@ def parse(spec: str) -> tuple[str, dict[str, str]]:
 def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> Launches:
     name, options = parse(spec)
     cache = None if name == "hf" else ZoomCache(model, name, budget, **options)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, **generate_cache_kwargs(cache), use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     for _ in range(steps):  # the last step is counted: every layer past its first decode step
         audit = Launches()
         ACTIVE.append(audit)
         try:
             with audit:
-                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                out = model(input_ids=token, **generate_cache_kwargs(cache), use_cache=True)
         finally:
             ACTIVE.pop()
         token = out.logits[:, -1:].argmax(-1)

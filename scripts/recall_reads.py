@@ -43,6 +43,7 @@ def read_shares(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict[s
     """Per buffer (``recall``: the rows attended; ``cand``: sekv's candidates' finer codes), the share of rows asked
     for that were read, over the decode steps after each layer's first."""
     from zoomkv import native
+    from zoomkv.compat import generate_cache_kwargs
     from zoomkv.methods.sekv import method as sekv
     from zoomkv.protocol import recallable
 
@@ -62,9 +63,9 @@ def read_shares(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict[s
     try:
         with torch.no_grad(), native.torch_path(), recallable.recall_misses_only(True):
             cache = make_cache()
-            out = model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids, **generate_cache_kwargs(cache), use_cache=True)
             for _ in range(new_tokens):
-                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+                out = model(out.logits[:, -1:].argmax(-1), **generate_cache_kwargs(cache), use_cache=True)
     finally:
         recallable.swaps = sekv.swaps = plan
     return {prefix: read / max(1, asked) for prefix, (read, asked) in counts.items()}

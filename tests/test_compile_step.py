@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import padded_batch
 from zoomkv import ZoomCache, native
+from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.models import load_model
 from zoomkv.protocol.recallable import recall_misses_only
@@ -27,7 +28,7 @@ def test_a_decode_steps_selection_compiles_as_one_graph(name, misses_only):
     ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 61))
     cache = ZoomCache(model, name, 40)
     with torch.no_grad(), native.torch_path(), recall_misses_only(misses_only):
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **generate_cache_kwargs(cache), use_cache=True)
         layer = next(layer for layer in cache.layers if isinstance(layer, LayerMemory) and layer.compressed)
         query = torch.randn(2, model.config.num_attention_heads, 1, layer.key_dim,
                             generator=torch.Generator().manual_seed(0))

@@ -15,6 +15,7 @@ from tests.helpers import greedy, max_logit_diff, padded_batch, tensors_in
 from tests.method_matrix import method_kwargs
 from tests.test_sync_audit import KNOWN_SYNCING
 from zoomkv import ZoomCache
+from zoomkv.compat import generate_cache_kwargs
 from zoomkv.memory import LayerMemory
 from zoomkv.memory.sync_audit import audit_decode
 from zoomkv.methods import METHODS, get_method
@@ -162,7 +163,7 @@ def _steps_without_a_wait(tiny, cache: ZoomCache) -> None:
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
     ids, mask = _batch(tiny, lengths=(90, 61))
     with torch.no_grad():
-        out = tiny(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = tiny(input_ids=ids, attention_mask=mask, **generate_cache_kwargs(cache), use_cache=True)
         for _ in range(12):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
@@ -170,7 +171,7 @@ def _steps_without_a_wait(tiny, cache: ZoomCache) -> None:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                out = tiny(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
+                out = tiny(input_ids=token, attention_mask=mask, position_ids=position, **generate_cache_kwargs(cache),
                            use_cache=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")

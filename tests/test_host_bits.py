@@ -11,6 +11,7 @@ import torch
 from tests.test_train import TINY, main
 from zoomkv import ZoomCache
 from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ConfigError
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.memory.spec import CacheSpec
@@ -67,7 +68,7 @@ def test_an_adapter_runs_with_its_fitted_host_bits_and_can_turn_them_off(tmp_pat
     model, _ = load_model("tiny-llama")
     ids = torch.randint(3, 250, (1, 200), generator=torch.Generator().manual_seed(0))
     cache = ZoomCache(model, ZoomAdapter.from_pretrained(folder).make_method(), 64)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, **generate_cache_kwargs(cache), use_cache=True)
     report = cache.memory_report()
     rows = sum(layer.host_tier["keys"].nbytes + layer.host_tier["values"].nbytes for layer in cache.layers)
     full = 2 * ids.shape[1] * model.config.num_key_value_heads * 32 * 4 * model.config.num_hidden_layers
