@@ -1,14 +1,15 @@
 """How many kernels a decode step launches on a GPU, counted on the CPU.
 
-At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On a GPU"): each torch op that
-computes is about one launch, each Triton kernel one. This runs the step the GPU runs (the torch path, the
-recall reading only the rows its buffer misses) with the Triton kernels under Triton's interpreter, and counts
-the ops that compute (views and allocations left out) with every kernel call as one launch, its inside not
-counted. ``--by-place`` lists them by the zoomkv function that issued them.
+At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On a GPU"). This runs the step the
+GPU runs (the torch path, the recall reading only the rows its buffer misses) with zoomkv's Triton kernels
+under Triton's interpreter, and counts what ``zoomkv bench --sync-audit`` counts on a GPU (``SyncAudit.ops``):
+the torch ops that compute (views and allocations left out) and each kernel one launch. ``--by-place`` lists
+the torch ops by the zoomkv function that issued them.
 
     python scripts/gpu_launches.py --methods full,quest,oracle_topk,sekv,sekv:rescore_from=host:kv_quant=k8v4
 
-A method is ``NAME`` or ``NAME:KEY=VALUE:...`` (``ZoomCache`` options and hyper-parameters).
+A method is ``NAME`` or ``NAME:KEY=VALUE:...`` (``ZoomCache`` options and hyper-parameters); ``hf`` is plain
+transformers (its own cache).
 """
 
 from __future__ import annotations
@@ -21,53 +22,26 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its
 os.environ.setdefault("ZOOMKV_TRITON", "1")
 
 import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
 
-from zoomkv import ZoomCache, native  # noqa: E402
+from zoomkv import ZoomCache, kernels, native  # noqa: E402
 from zoomkv.compat import generate_cache_kwargs  # noqa: E402
 from zoomkv.memory import sync_audit  # noqa: E402
 from zoomkv.models import load_model  # noqa: E402
 from zoomkv.protocol.recallable import recall_misses_only  # noqa: E402
 
-ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"})
 
-
-class Launches(sync_audit.SyncAudit):
-    """The ops of a step that would launch a kernel, and where they come from."""
-
-    inside_kernel = 0  # > 0 while a Triton kernel runs under the interpreter (its own ops are not launches)
+class ByPlace(sync_audit.SyncAudit):
+    """``SyncAudit`` that also says where each torch op that launches came from."""
 
     def __init__(self):
         super().__init__()
-        self.launches = 0
         self.places: collections.Counter = collections.Counter()
 
-    def note(self, what: str) -> None:
-        self.launches += 1
-        where = sync_audit._location()
-        self.places[where.split(":")[0] + " " + where.rsplit(" ", 1)[-1] if "zoomkv" in where else "the model"] += 1
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not Launches.inside_kernel and not func.is_view and func._schema.name not in ALLOCATIONS:
-            self.note(func._schema.name)
+        if not kernels.launch_running() and not func.is_view and func._schema.name not in sync_audit.ALLOCATIONS:
+            where = sync_audit._location()
+            self.places[where.split(":")[0] + " " + where.rsplit(" ", 1)[-1] if "zoomkv" in where else "the model"] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-ACTIVE: list[Launches] = []
-_run = interpreter.GridExecutor.__call__
-
-
-def _counted(self, *args, **kwargs):
-    if ACTIVE and not Launches.inside_kernel:
-        ACTIVE[-1].note("triton")
-    Launches.inside_kernel += 1
-    try:
-        return _run(self, *args, **kwargs)
-    finally:
-        Launches.inside_kernel -= 1
-
-
-interpreter.GridExecutor.__call__ = _counted
 
 
 def parse(spec: str) -> tuple[str, dict[str, str]]:
@@ -76,19 +50,14 @@ def parse(spec: str) -> tuple[str, dict[str, str]]:
 
 
 @torch.no_grad()
-def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> Launches:
+def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> ByPlace:
     name, options = parse(spec)
     cache = None if name == "hf" else ZoomCache(model, name, budget, **options)
     out = model(input_ids=ids, **generate_cache_kwargs(cache), use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     for _ in range(steps):  # the last step is counted: every layer past its first decode step
-        audit = Launches()
-        ACTIVE.append(audit)
-        try:
-            with audit:
-                out = model(input_ids=token, **generate_cache_kwargs(cache), use_cache=True)
-        finally:
-            ACTIVE.pop()
+        with ByPlace() as audit:
+            out = model(input_ids=token, **generate_cache_kwargs(cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
     return audit
 
@@ -111,9 +80,9 @@ def main() -> None:
         with native.torch_path(), recall_misses_only(True):
             audit = count(model, ids, spec, args.budget, args.steps)
         model_ops = audit.places["the model"]
-        print(f"| {spec} | {audit.launches} | {model_ops} | {(audit.launches - model_ops) / layers:.0f} |")
+        print(f"| {spec} | {audit.ops} | {model_ops} | {(audit.ops - model_ops) / layers:.0f} |")
         if args.by_place:
-            for place, n in audit.places.most_common():
+            for place, n in [*audit.places.most_common(), ("zoomkv's Triton kernels", audit.ops - audit.places.total())]:
                 print(f"|   {place} | {n} | | |")
 
 

@@ -49,6 +49,19 @@ def test_gather_rows_into_a_slice_of_a_larger_buffer(interpreter):
     assert torch.equal(buf[:, :, :5], gather_rows_reference(src, idx)) and buf[:, :, 5:].isnan().all()
 
 
+def test_the_sync_audit_counts_a_kernel_as_one_launch(interpreter):
+    """``SyncAudit.ops`` is what a GPU step launches: a Triton kernel is one, whatever the interpreter does inside
+    it on the CPU (no op of it counted, no host read reported)."""
+    from zoomkv.memory.sync_audit import SyncAudit
+
+    src, idx = torch.randn(2, 3, 50, 16), torch.randint(0, 50, (2, 3, 7))
+    out = torch.empty(2, 3, 7, 16)
+    with SyncAudit() as audit:
+        gather_rows(src, idx, out)
+    assert audit.ops == 1 and audit.clean
+    assert torch.equal(out, gather_rows_reference(src, idx))
+
+
 def test_without_a_kernel_the_reference_runs():
     """On the CPU without the interpreter no kernel applies: the same rows through torch."""
     src, idx = torch.randn(2, 2, 10, 4), torch.randint(0, 10, (2, 2, 3))

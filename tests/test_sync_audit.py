@@ -165,5 +165,6 @@ def test_the_audit_counts_ops_that_compute_and_not_views():
     x = torch.randn(4, 4)
     with SyncAudit() as audit:
         x.view(16), x.t(), x[1:], x.unsqueeze(0)  # views: no kernel runs
+        torch.empty(8), torch.empty_like(x)  # allocations: no kernel runs either
         (x + 1).sum()
     assert audit.ops == 2 and audit.clean

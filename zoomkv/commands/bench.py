@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-audit", action="store_true",
                         help="also audit a few decode steps per configuration for ops that make the host wait for the "
                              "device (.item(), nonzero, device-to-host copies; see zoomkv.memory.sync_audit), "
-                             "and count the ops a step computes (ops/step: on a GPU about one kernel launch each)")
+                             "and count the kernels a step launches on a GPU (ops/step: torch ops that compute and "
+                             "zoomkv's Triton kernels, one each)")
     parser.add_argument("--json", action="store_true")
 
 

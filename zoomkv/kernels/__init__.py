@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,3 +41,32 @@ def usable(*tensors: torch.Tensor) -> bool:
     if interpreting():
         return all(t.device.type == "cpu" for t in tensors)
     return any(t.is_cuda for t in tensors) and all(t.is_cuda or t.is_pinned() for t in tensors)
+
+
+class _Launches:
+    """Kernels launched so far in this process, and how many are running now (the ops a kernel runs under the
+    interpreter are its own, not the caller's: ``zoomkv.memory.sync_audit`` leaves them out)."""
+
+    count = 0
+    running = 0
+
+
+def launch(make: Callable[[bool], Any], grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Launch the kernel ``make(interpreting())`` builds on ``grid``, counted (``launches``): on a GPU one launch
+    each, what a decode step bound by its launches is made of."""
+    _Launches.count += 1
+    _Launches.running += 1
+    try:
+        make(interpreting())[grid](*args, **kwargs)
+    finally:
+        _Launches.running -= 1
+
+
+def launches() -> int:
+    """Kernels launched so far in this process."""
+    return _Launches.count
+
+
+def launch_running() -> bool:
+    """Whether a kernel is running now (under the interpreter, on the CPU: its ops are its own)."""
+    return _Launches.running > 0

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 
 @functools.cache
@@ -75,7 +75,7 @@ def score_codes(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, bit
     # tokens) is tiled in blocks of 64, the third grid axis
     block_g = min(64, max(16, 1 << (g - 1).bit_length()))
     grid = (b * h, -(-n // block_n), -(-g // block_g))
-    _kernel(interpreting())[grid](query, codes, rms, out, h, g, n, d, float(step), float(2 ** (bits - 1)),
+    launch(_kernel, grid, query, codes, rms, out, h, g, n, d, float(step), float(2 ** (bits - 1)),
                     query.stride(0), query.stride(1), query.stride(2), codes.stride(0), codes.stride(1),
                     codes.stride(2), rms.stride(0), rms.stride(1), rms.stride(2), out.stride(0), out.stride(1),
                     out.stride(2), BITS=bits, BLOCK_N=block_n, BLOCK_D=max(16, 1 << (d - 1).bit_length()),

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 
 @functools.cache
@@ -83,7 +83,7 @@ def gather_dequantized(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tenso
     if fetch is not None:
         fetch = fetch.contiguous().view(torch.uint8)
     groups = scale.shape[-1]
-    _kernel(interpreting())[(b * h, -(-k // 32))](
+    launch(_kernel, (b * h, -(-k // 32)),
         codes, scale, lo, idx, out, idx if dest is None else dest, idx if fetch is None else fetch, h, k, d,
         d // groups, codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
         scale.stride(2), idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2),

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 BLOCK_ROWS = 16  # rows a program codes (tl.dot's least size)
 
@@ -82,7 +82,7 @@ def encode_codes(x: torch.Tensor, bits: int, step: float) -> tuple[torch.Tensor,
     rms = torch.empty(rows, dtype=torch.float16, device=x.device)
     if rows:
         block_d = max(16, 1 << (d - 1).bit_length())
-        _kernel(interpreting())[(-(-rows // BLOCK_ROWS),)](
+        launch(_kernel, (-(-rows // BLOCK_ROWS),),
             flat, codes, rms, rows, d, nbytes, float(step), float(2 ** (bits - 1)),
             BITS=bits, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d, BLOCK_B=max(16, 1 << (nbytes - 1).bit_length()), LANES=16)
     return codes.reshape(*lead, nbytes), rms.reshape(*lead, 1)

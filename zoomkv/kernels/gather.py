@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 
 def gather_rows_reference(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None =
     block_d = min(128, 1 << (d - 1).bit_length())
     block_k = 32
     grid = (b * h, -(-k // block_k))
-    _kernel(interpreting())[grid](src, idx, out, idx if dest is None else dest, idx if fetch is None else fetch, h, k,
+    launch(_kernel, grid, src, idx, out, idx if dest is None else dest, idx if fetch is None else fetch, h, k,
                     d, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1), out.stride(0),
                     out.stride(1), out.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, DEST=dest is not None,
                     FETCH=fetch is not None)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting
+from zoomkv.kernels import launch
 
 MOST_ROWS = 8192  # one program holds a (sequence, head)'s rows; more than this take the torch plan
 
@@ -71,6 +71,6 @@ def plan_swaps(held: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
     free_at = torch.empty(b, h, k, dtype=torch.int32, device=idx.device)
     block = max(16, 1 << (k - 1).bit_length())
     tile = max(2, min(16, 16384 // block))  # a [block, tile] comparison at a time: ~64 registers a thread
-    _kernel(interpreting())[(b * h,)](held, idx, dest, fetch, rows, free_at, k, BLOCK=block, TILE=tile,
+    launch(_kernel, (b * h,), held, idx, dest, fetch, rows, free_at, k, BLOCK=block, TILE=tile,
                                       num_warps=8 if block >= 2048 else 4)
     return dest, fetch.view(torch.bool), rows

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 BLOCK_ROWS = 16
 
@@ -88,7 +88,7 @@ def quantize_rows(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor,
     scale = torch.empty(rows, groups, dtype=torch.float16, device=x.device)
     lo = torch.empty(rows, groups, dtype=torch.float16, device=x.device)
     if rows:
-        _kernel(interpreting())[(-(-rows // BLOCK_ROWS),)](
+        launch(_kernel, (-(-rows // BLOCK_ROWS),),
             flat, codes, scale, lo, rows, d, groups, nbytes, float((1 << bits) - 1), BITS=bits, GROUP=group,
             BLOCK_R=BLOCK_ROWS, BLOCK_G=max(2, 1 << (groups - 1).bit_length()),
             BLOCK_B=max(2, 1 << (nbytes - 1).bit_length()))

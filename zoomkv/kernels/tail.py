@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from zoomkv.kernels import interpreting, usable
+from zoomkv.kernels import launch, usable
 
 TILE = 32  # selected rows a program reads at once
 LANES = 16  # tl.dot's least size: sums are made as products with constant matrices, every lane the same sum
@@ -109,7 +109,7 @@ def tail_row(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
         weights = bias = bias.contiguous()
     sums = [t.float().contiguous() for t in (key_sum, value_sum, count)]
     block = [max(16, 1 << (d - 1).bit_length()) for d in (dk, dv)]
-    _kernel(interpreting())[(b * h,)](
+    launch(_kernel, (b * h,),
         keys, values, weights, *sums, offset.to(keys.device, torch.float32).contiguous() if offset is not None else count,
         out_k, out_v, out_bias, h, k, dk, dv, keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),

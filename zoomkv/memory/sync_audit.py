@@ -13,8 +13,9 @@ included (where nothing actually waits):
 
 ``SyncAudit(raise_on_sync=True)`` raises ``SyncError`` at the first one instead; ``audit_decode`` audits
 the decode steps after a prefill (``zoomkv bench --sync-audit`` reports it per method). ``audit.ops`` counts
-the ops that compute (views left out): on a GPU each is about one kernel launch and a few microseconds of the
-host's time, which is what a small decode step waits on.
+the kernel launches a step makes on a GPU: the torch ops that compute (views and allocations left out) and
+zoomkv's Triton kernels (``zoomkv.kernels.launch``), one each; each launch is a few microseconds of the host's
+time, which is what a small decode step waits on.
 
 What a CPU run cannot show: on a CPU-only machine both tiers are RAM, so a copy between them is no copy at
 all (recalling host-tier rows by indices computed on the device moves those indices to the host: a
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zoomkv import kernels
 from zoomkv.compat import generate_cache_kwargs
 from zoomkv.errors import ZoomKVError
 
@@ -47,6 +49,8 @@ DATA_DEPENDENT = frozenset({
 # Ops that take index tensors: data-dependent when an index is a boolean mask.
 INDEXING = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::to"})
+# Ops that only allocate: no kernel runs.
+ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"})
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE)) + os.sep
@@ -133,12 +137,14 @@ class SyncAudit(TorchDispatchMode):
         super().__init__()
         self.raise_on_sync = raise_on_sync
         self.events: list[SyncEvent] = []
-        self.ops = 0  # ops that compute (not views): on a GPU, about one kernel launch each
+        self.ops = 0  # ops that launch a kernel on a GPU: ops that compute (not views, not allocations) and kernels
         self._patched: dict[str, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.ops += not func.is_view
+        if kernels.launch_running():  # a Triton kernel under the interpreter: its ops are its own (one launch)
+            return func(*args, **kwargs)
+        self.ops += not func.is_view and func._schema.name not in ALLOCATIONS
         kind = classify(func._schema.name, args, kwargs)
         if kind is not None:
             self._note(func._schema.name, kind)
@@ -158,10 +164,12 @@ class SyncAudit(TorchDispatchMode):
             self._patched[name] = original
 
             def read(tensor, *args, _original=original, _name=name, **kwargs):
-                audit._note(f"Tensor.{_name}", "host read")
+                if not kernels.launch_running():  # (the interpreter reads a kernel's tensors as numpy arrays)
+                    audit._note(f"Tensor.{_name}", "host read")
                 return _original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, name, read)
+        self._launched = kernels.launches()
         try:
             return super().__enter__()
         except BaseException:
@@ -172,6 +180,7 @@ class SyncAudit(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
+            self.ops += kernels.launches() - self._launched  # zoomkv's Triton kernels: one launch each
             self._restore()
 
     def _restore(self) -> None:
