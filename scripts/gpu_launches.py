@@ -3,7 +3,7 @@
 At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On a GPU"). This runs the step the
 GPU runs (the torch path, the recall reading only the rows its buffer misses) with zoomkv's Triton kernels
 under Triton's interpreter, and counts what ``zoomkv bench --sync-audit`` counts on a GPU (``SyncAudit.ops``):
-the torch ops that compute (views and allocations left out) and each kernel one launch. ``--by-place`` lists
+the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. ``--by-place`` lists
 the torch ops by the zoomkv function that issued them.
 
     python scripts/gpu_launches.py --methods full,quest,oracle_topk,sekv,sekv:rescore_from=host:kv_quant=k8v4
@@ -38,7 +38,7 @@ class ByPlace(sync_audit.SyncAudit):
         self.places: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not kernels.launch_running() and not func.is_view and func._schema.name not in sync_audit.ALLOCATIONS:
+        if not kernels.launch_running() and not func.is_view and func._schema.name not in sync_audit.NO_KERNEL:
             where = sync_audit._location()
             self.places[where.split(":")[0] + " " + where.rsplit(" ", 1)[-1] if "zoomkv" in where else "the model"] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)

@@ -13,7 +13,7 @@ included (where nothing actually waits):
 
 ``SyncAudit(raise_on_sync=True)`` raises ``SyncError`` at the first one instead; ``audit_decode`` audits
 the decode steps after a prefill (``zoomkv bench --sync-audit`` reports it per method). ``audit.ops`` counts
-the kernel launches a step makes on a GPU: the torch ops that compute (views and allocations left out) and
+the kernel launches a step makes on a GPU: the torch ops that compute (views, allocations and reshapes left out) and
 zoomkv's Triton kernels (``zoomkv.kernels.launch``), one each; each launch is a few microseconds of the host's
 time, which is what a small decode step waits on.
 
@@ -49,8 +49,9 @@ DATA_DEPENDENT = frozenset({
 # Ops that take index tensors: data-dependent when an index is a boolean mask.
 INDEXING = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::to"})
-# Ops that only allocate: no kernel runs.
-ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"})
+# Ops that run no kernel: allocations, and a reshape of a fresh result that only relabels its shape.
+NO_KERNEL = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                       "aten::_unsafe_view"})
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE)) + os.sep
@@ -144,7 +145,7 @@ class SyncAudit(TorchDispatchMode):
         kwargs = kwargs or {}
         if kernels.launch_running():  # a Triton kernel under the interpreter: its ops are its own (one launch)
             return func(*args, **kwargs)
-        self.ops += not func.is_view and func._schema.name not in ALLOCATIONS
+        self.ops += not func.is_view and func._schema.name not in NO_KERNEL
         kind = classify(func._schema.name, args, kwargs)
         if kind is not None:
             self._note(func._schema.name, kind)
