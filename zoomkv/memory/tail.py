@@ -34,8 +34,9 @@ def init_tail(memory, ctx: PrefillContext, prefix: str = "tail") -> None:
 
 def append_tail(memory, key: torch.Tensor, value: torch.Tensor, prefix: str = "tail") -> None:
     tier = memory.device_tier
-    tier[f"{prefix}_key_sum"] += key.float().sum(2, keepdim=True)
-    tier[f"{prefix}_value_sum"] += value.float().sum(2, keepdim=True)
+    # a decode step's one row is its own sum; both sums in one fused add (one launch on a GPU, not four)
+    rows = [t.float() if t.shape[2] == 1 else t.float().sum(2, keepdim=True) for t in (key, value)]
+    torch._foreach_add_([tier[f"{prefix}_key_sum"], tier[f"{prefix}_value_sum"]], rows)
     tier[f"{prefix}_count"] += key.shape[2]
 
 
