@@ -30,7 +30,7 @@ $py -c "import torch, transformers, triton; print('torch', torch.__version__, 't
 # test_cuda.py runs the decode steps under torch.cuda.set_sync_debug_mode("error"), the compiled kernels against
 # their references, and the GPU's selections against the CPU's; -rxX lists what is still expected to synchronise.
 if has tests; then
-  timeout "${TEST_TIMEOUT:-150}" $py -m pytest -q -rxX -p no:cacheprovider tests/test_cuda.py 2>&1 \
+  timeout "${TEST_TIMEOUT:-200}" $py -m pytest -q -rxX -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tail -40 | tee "$out/cuda_tests.log"
 fi
 
