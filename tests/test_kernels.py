@@ -226,7 +226,7 @@ def test_level_step_gives_the_levels():
 def test_sekv_selects_the_same_rows_with_the_kernel_scoring(interpreter, monkeypatch):
     """sekv's torch step (the one a GPU runs) with its codes scored by the kernel picks what the byte tables
     pick: the same greedy tokens on a padded batch."""
-    from tests.helpers import greedy, padded_batch
+    from tests.helpers import greedy, max_logit_diff, padded_batch
     from zoomkv import ZoomCache, native
     from zoomkv.models import load_model
 
@@ -241,6 +241,45 @@ def test_sekv_selects_the_same_rows_with_the_kernel_scoring(interpreter, monkeyp
         ref = greedy(model, ids, mask, ZoomCache(model, "sekv", 40), new=6)
     assert called
     assert torch.equal(fast.sequences, ref.sequences)
+    assert max_logit_diff(fast.scores, ref.scores) < 1e-4  # the tail row and the codes as torch makes them
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # padding rows: 0 / 0
+def test_sekv_with_a_coded_host_tier_decodes_the_same_tokens_through_the_kernels(interpreter, monkeypatch):
+    """The GPU's step on the CPU: sekv as the quickstart runs it (host rescoring, a `k8v4` host tier read only
+    where the recall buffer misses) with its kernels (scoring, coding, the tail row, the host rows coded and
+    decoded into their slots) gives the greedy tokens of its torch path. The plan stays torch's here: its kernel's
+    reductions run under the interpreter only in a process of their own (tests/test_recall_misses.py)."""
+    from tests.helpers import greedy, max_logit_diff, padded_batch
+    from zoomkv import ZoomCache, native
+    from zoomkv.kernels import dequant as kernel_dequant
+    from zoomkv.kernels import quantize as kernel_quantize
+    from zoomkv.kernels import tail as kernel_tail
+    from zoomkv.models import load_model
+    from zoomkv.protocol.recallable import recall_misses_only
+
+    model, _ = load_model("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(90, 61))
+    from zoomkv.kernels import plan as kernel_plan
+
+    monkeypatch.setattr(kernel_plan, "plan_swaps_fits", lambda idx: False)
+    called = {"quantize": 0, "dequant": 0, "tail": 0}
+    for module, fn, key in ((kernel_quantize, "quantize_rows", "quantize"), (kernel_dequant, "gather_dequantized", "dequant"),
+                            (kernel_tail, "tail_row", "tail")):
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, _real=real, _key=key, **k: called.__setitem__(_key, called[_key] + 1)
+                            or _real(*a, **k))
+
+    def run():
+        return greedy(model, ids, mask, ZoomCache(model, "sekv", 40, kv_quant="k8v4", rescore_from="host"), new=6)
+
+    with native.torch_path(), recall_misses_only(True):
+        fast = run()
+        monkeypatch.setenv("ZOOMKV_TRITON", "0")
+        ref = run()
+    assert all(called.values()), called
+    assert torch.equal(fast.sequences, ref.sequences)
+    assert max_logit_diff(fast.scores, ref.scores) < 1e-4  # the same rows, decoded to the same values
 
 
 def test_score_codes_kernel_tiles_a_long_group(interpreter, monkeypatch):
