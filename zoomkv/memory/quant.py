@@ -378,7 +378,7 @@ class QuantizedRowBuffer(RowBuffer):
         False, nothing written, elsewhere."""
         codes, scale, lo = (part.data[:, :, : self.length] for part in (self.codes, self.scale, self.lo))
         if self.exact is not None or self.pad or scale.stride() != lo.stride() or out.dtype != self.dtype \
-                or not kernel_dequant.gather_dequantized_usable(codes, idx, out):
+                or out.stride(-1) != 1 or not kernel_dequant.gather_dequantized_usable(codes, idx, out):
             return False
         # (pinned rows still in flight from the GPU are ordered before the kernel by the stream: nothing to wait for)
         kernel_dequant.gather_dequantized(codes, scale, lo, idx, self.bits, out, dest=dest, fetch=fetch)
