@@ -41,7 +41,7 @@ def _adapter() -> Path:
     if (adapter / "adapter_config.json").is_file():
         log.info("using the trained adapter in %s (delete it to train again)", adapter)
         return adapter
-    log.info("training the quickstart sekv adapter (%s), ~6 minutes on a 2-core CPU", RECIPE.name)
+    log.info("training the quickstart sekv adapter (%s), ~7 minutes on a 2-core CPU", RECIPE.name)
     return train(cfg)
 
 
