@@ -15,6 +15,7 @@ import functools
 import torch
 
 from zoomkv.kernels import launch, usable
+from zoomkv.kernels.gather import slot_arguments
 
 
 @functools.cache
@@ -29,7 +30,7 @@ def _kernel(interpret: bool):
                                   c_b, c_h, c_n, s_b, s_h, s_n, i_b, i_h, o_b, o_h, o_k,
                                   BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                                   DEST: tl.constexpr, FETCH: tl.constexpr):
-        bh = tl.program_id(0)
+        bh = tl.program_id(0)  # the program's rows and their slots, as zoomkv.kernels.gather reads them
         b = (bh // heads).to(tl.int64)
         h = (bh % heads).to(tl.int64)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -77,14 +78,10 @@ def gather_dequantized(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tenso
     d = out.shape[-1]
     if k == 0 or d == 0:
         return out
-    idx = idx.contiguous()  # dest and fetch are read with idx's offsets
-    if dest is not None:
-        dest = dest.contiguous()
-    if fetch is not None:
-        fetch = fetch.contiguous().view(torch.uint8)
     groups = scale.shape[-1]
+    idx, dest_at, fetch_at = slot_arguments(idx, dest, fetch)
     launch(_kernel, (b * h, -(-k // 32)),
-        codes, scale, lo, idx, out, idx if dest is None else dest, idx if fetch is None else fetch, h, k, d,
+        codes, scale, lo, idx, out, dest_at, fetch_at, h, k, d,
         d // groups, codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
         scale.stride(2), idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BITS=bits, BLOCK_K=32, BLOCK_D=min(128, max(16, 1 << (d - 1).bit_length())), DEST=dest is not None,

@@ -34,6 +34,16 @@ def gather_to_slots_reference(rows: torch.Tensor, out: torch.Tensor, dest: torch
     return out.scatter_(2, at, rows)
 
 
+def slot_arguments(idx: torch.Tensor, dest: torch.Tensor | None,
+                   fetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``idx``, ``dest`` and ``fetch`` as the kernels that write rows into slots read them: contiguous (dest and fetch are read with idx's
+    offsets), fetch as bytes, ``idx`` standing in for the ones not given (the kernel's DEST / FETCH say so)."""
+    idx = idx.contiguous()
+    dest = idx if dest is None else dest.contiguous()
+    fetch = idx if fetch is None else fetch.contiguous().view(torch.uint8)
+    return idx, dest, fetch
+
+
 @functools.cache
 def _kernel(interpret: bool):
     # keyed by the interpreter switch: triton.jit reads it when a kernel is defined
@@ -44,6 +54,8 @@ def _kernel(interpret: bool):
     @triton.jit(do_not_specialize=["k", "s_b", "s_h", "i_b", "i_h", "o_b", "o_h", "o_k"])
     def gather_rows_kernel(src, idx, out, dest, fetch, heads, k, dim, s_b, s_h, s_n, i_b, i_h, o_b, o_h, o_k,
                            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DEST: tl.constexpr, FETCH: tl.constexpr):
+        # (zoomkv.kernels.dequant starts the same way: Triton's interpreter runs a kernel with its module's globals
+        # only, so a shared jit helper made per interpreter switch cannot be reached from both)
         bh = tl.program_id(0)
         b = (bh // heads).to(tl.int64)
         h = (bh % heads).to(tl.int64)
@@ -92,15 +104,11 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None =
         return out
     if k == 0 or d == 0:
         return out
-    idx = idx.contiguous()  # dest and fetch are read with idx's offsets
-    if dest is not None:
-        dest = dest.contiguous()
-    if fetch is not None:
-        fetch = fetch.contiguous().view(torch.uint8)
     block_d = min(128, 1 << (d - 1).bit_length())
     block_k = 32
     grid = (b * h, -(-k // block_k))
-    launch(_kernel, grid, src, idx, out, idx if dest is None else dest, idx if fetch is None else fetch, h, k,
+    idx, dest_at, fetch_at = slot_arguments(idx, dest, fetch)
+    launch(_kernel, grid, src, idx, out, dest_at, fetch_at, h, k,
                     d, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1), out.stride(0),
                     out.stride(1), out.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, DEST=dest is not None,
                     FETCH=fetch is not None)
