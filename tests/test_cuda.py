@@ -158,13 +158,13 @@ def test_a_coded_host_tier_never_synchronises_the_device(tiny, host_format):
     _steps_without_a_wait(tiny, ZoomCache(tiny, method, 40, kv_quant=host_format))
 
 
-def _steps_without_a_wait(tiny, cache: ZoomCache) -> None:
+def _steps_without_a_wait(tiny, cache: ZoomCache, lengths=(90, 61), steps: int = 12) -> None:
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
-    ids, mask = _batch(tiny, lengths=(90, 61))
+    ids, mask = _batch(tiny, lengths=lengths)
     with torch.no_grad():
         out = tiny(input_ids=ids, attention_mask=mask, **generate_cache_kwargs(cache), use_cache=True)
-        for _ in range(12):
+        for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             position = mask.sum(-1, keepdim=True) - 1
@@ -376,3 +376,40 @@ def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
     cpu_model, _ = load_model(tiny.zoomkv_name)
     on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(adapter=adapter), 40), new=12)
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
+
+
+# -- a decode step's selection as a CUDA graph (zoomkv.memory.graphs; tests/test_graphs.py emulates it on the CPU) --
+# 400 and 290 tokens at B=40: more rows than sekv's stage one keeps (156), so its step has fixed shapes
+GRAPH_CASES = {"codes-rescoring": ({}, None), "quickstart-shape": ({"rescore_from": "host"}, "k8v4")}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, monkeypatch):
+    """sekv's selection captured in a CUDA graph per layer and replayed: the greedy tokens of the same model with
+    graphs off (``ZOOMKV_CUDA_GRAPHS=0``: the step as it ran before graphs)."""
+    from zoomkv.memory import graphs
+
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("CUDA graphs are CUDA's (tests/test_graphs.py emulates them on the CPU)")
+    kwargs, host_format = GRAPH_CASES[case]
+    ids, mask = _batch(tiny, lengths=(400, 290))
+
+    def run():
+        return greedy(tiny, ids, mask, ZoomCache(tiny, get_method("sekv", **kwargs), 40, kv_quant=host_format), new=24)
+
+    before = graphs.counts()
+    captured = run()
+    after = graphs.counts()
+    monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", "0")
+    plain = run()
+    assert after["captures"] > before["captures"] and after["replays"] > before["replays"], (before, after)
+    assert torch.equal(captured.sequences, plain.sequences)
+    assert max_logit_diff(captured.scores, plain.scores) < 1e-3
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_captured_steps_never_synchronise_the_device(tiny, case):
+    """The steps that capture and replay the selection, under ``set_sync_debug_mode("error")``."""
+    kwargs, host_format = GRAPH_CASES[case]
+    cache = ZoomCache(tiny, get_method("sekv", **kwargs), 40, kv_quant=host_format)
+    _steps_without_a_wait(tiny, cache, lengths=(400, 290), steps=8)

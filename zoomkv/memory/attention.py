@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from zoomkv.compat import register_attention, sdpa_attention_forward
 from zoomkv.errors import BudgetExceededError, ZoomKVError
+from zoomkv.memory import graphs
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.protocol.method import PrefillContext, Selection, query_blocks
 from zoomkv.protocol.phases import phase
@@ -176,7 +177,7 @@ def zoomkv_attention_forward(
         if cache.tail_summary:
             append_tail(memory, key, value)
     with phase("select"):
-        sel = method.select(memory, query)
+        sel = graphs.select(method, memory, query)  # replayed from a CUDA graph where the method's step allows
     _check_budget(cache, memory, cache.budget_rows)
     if cache.probe is not None:
         cache.probe.step(layer_idx, query, key, sel, scale)

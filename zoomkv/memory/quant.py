@@ -227,9 +227,9 @@ def _code_native(rows: torch.Tensor, codes: RowBuffer, scale: RowBuffer, lo: Row
     x = rows.contiguous()  # held in a name for the call
     if call(ROW_QUANTIZER.library(), x, x.shape[0] * x.shape[1]):
         return False
-    codes.length += n
-    scale.length += scale_rows
-    lo.length += scale_rows
+    codes.advance(n)
+    scale.advance(scale_rows)
+    lo.advance(scale_rows)
     return True
 
 

@@ -26,6 +26,7 @@ class RowBuffer:
         self.data = data.pin_memory() if self.pinned and not data.is_pinned() else data
         self.length = data.shape[2]
         self.in_flight = False  # pinned rows written by an asynchronous copy from the GPU not yet waited for
+        self._length_tensor: torch.Tensor | None = None  # ``length`` on the device, once asked for
 
     @classmethod
     def with_room(cls, data: torch.Tensor, room: int, *, pinned: bool = False) -> RowBuffer:
@@ -53,6 +54,14 @@ class RowBuffer:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def length_tensor(self) -> torch.Tensor:
+        """``length`` as a one-element int64 tensor where the buffer lives, advanced by every later append on the
+        device (no host read): a step of fixed shapes reads its row count there, so a CUDA graph of it replays with
+        the count of the step it runs, not of the one it was captured in (``zoomkv.memory.graphs``)."""
+        if self._length_tensor is None:
+            self._length_tensor = torch.full((1,), self.length, dtype=torch.long, device=self.data.device)
+        return self._length_tensor
+
     def view(self) -> torch.Tensor:
         """Every row, where the buffer lives (after the copies in flight into it have landed: a host read)."""
         self.wait()
@@ -75,9 +84,13 @@ class RowBuffer:
             return gather_rows(self.data[:, :, : self.length], idx, out, fetch=fetch)
         if self.pinned and idx is None and out is not None and out.is_cuda:
             return out.copy_(self.data[:, :, : self.length], non_blocking=True)
-        rows = self.view()
         if idx is None:
+            rows = self.view()
             return rows if out is None else out.copy_(rows, non_blocking=True)
+        # Every allocated row, not the first ``length``: the indices name filled rows only, and a captured step's
+        # gather must not hold the length of the step it was captured in.
+        self.wait()
+        rows = self.data
         at = idx.to(rows.device)[..., None].expand(-1, -1, -1, rows.shape[-1])
         found = rows.gather(2, at)
         return found if out is None else out.copy_(found, non_blocking=True)
@@ -99,7 +112,13 @@ class RowBuffer:
         async_ok = to_host or (self.data.device.type == "cuda" and rows.device.type == "cpu" and rows.is_pinned())
         self.data[:, :, self.length : self.length + n].copy_(rows, non_blocking=async_ok)
         self.in_flight |= to_host
+        self.advance(n)
+
+    def advance(self, n: int) -> None:
+        """``n`` more rows are filled (a writer that filled them in place after ``reserve`` says so here)."""
         self.length += n
+        if self._length_tensor is not None:
+            self._length_tensor.add_(n)
 
     def wait(self) -> None:
         """Before the host reads rows: wait for the asynchronous copies that write them (rare: the GPU path
@@ -109,8 +128,7 @@ class RowBuffer:
             self.in_flight = False
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` more rows after ``length`` (a writer that fills them in place then adds ``n`` to
-        ``length``)."""
+        """Room for ``n`` more rows after ``length`` (a writer that fills them in place then calls ``advance``)."""
         if self.length + n > self.capacity:
             grow = max(self.GROW_ROWS, self.capacity // 32, n)  # ≤ ~3% over, O(1) amortised
             shape = list(self.data.shape)

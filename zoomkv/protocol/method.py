@@ -13,7 +13,7 @@ import decimal
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -310,6 +310,14 @@ class KVMethod:
         (before ``extend``: one selection of stored rows serves them all; their own rows are added by the
         runtime, causally)."""
         raise NotImplementedError
+
+    def graph_key(self, memory: Memory, query: torch.Tensor) -> Hashable | None:
+        """A key of everything this step's ``select`` depends on in Python (sizes, budgets, which path it takes),
+        when the step is one a CUDA graph can replay: fixed shapes, no value read back to the host, the state it
+        hands the next step kept in place; None (the default): run it as it is every step. The runtime captures
+        the step once its key repeats and replays it while the key and the tiers' buffers stay
+        (``zoomkv.memory.graphs``)."""
+        return None
 
     def extend(self, memory: Memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the rows of a multi-token input that arrives after compression (a follow-up question, the

@@ -146,13 +146,18 @@ def swaps(memory, prefix: str, idx: torch.Tensor, fresh: bool = False) -> tuple[
     rows it held after the last plan (``{prefix}_held`` on the device tier, updated here); ``fresh``: the buffer
     holds nothing yet (new, or reallocated)."""
     tier, k = memory.device_tier, idx.shape[2]
-    held = tier.pop(f"{prefix}_held", None)
+    held = tier.get(f"{prefix}_held")
     if fresh or held is None or held.shape[:2] != idx.shape[:2]:  # nothing held that these slots can keep
-        held = torch.full_like(idx, -1)
+        start = torch.full_like(idx, -1)
     elif held.shape[2] != k:  # a step that asks for more or fewer rows (Quest's partial page): its k slots
-        held = held[:, :, :k] if held.shape[2] > k else F.pad(held, (0, k - held.shape[2]), value=-1)
-    dest, fetch, rows = plan_swaps(held, idx)
-    tier[f"{prefix}_held"] = rows
+        start = held[:, :, :k] if held.shape[2] > k else F.pad(held, (0, k - held.shape[2]), value=-1)
+    else:
+        start = held
+    dest, fetch, rows = plan_swaps(start, idx)
+    if start is held:  # in place: a step captured in a CUDA graph hands its slot map to the next one there
+        held.copy_(rows)
+    else:
+        tier[f"{prefix}_held"] = rows
     return dest, fetch, rows
 
 

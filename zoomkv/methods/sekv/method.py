@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from zoomkv.errors import ConfigError
+from zoomkv.memory import graphs
 from zoomkv.memory.quant import BITS as QUANT_BITS
 from zoomkv.memory.quant import FORMATS_HELP, QuantSpec, is_format, row_buffer
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
@@ -565,16 +566,18 @@ class SeKV(RecallableMethod):
         return torch.matmul(q, dev["code_rotation"]) * self._gains(memory.meta["layer"], h, q.shape[-1], q.device)[
             None, :, None]
 
-    def router_scores(self, memory, query: torch.Tensor) -> torch.Tensor:
-        """``[b, h, g·q, n]``: each query head's estimated logit of every row, from the device codes alone."""
+    def router_scores(self, memory, query: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """``[b, h, g·q, n]``: each query head's estimated logit of every row, from the device codes alone
+        (``width``: of the codes buffers' first ``width`` allocated rows, filled or not: a step of fixed shapes)."""
         dev = memory.device_tier
         h = dev["code_mean"].shape[1]
         qr = self.rotated_query(memory, query)
+        codes, rms = ((buf.view() if width is None else buf.data[:, :, :width]) for buf in (dev["codes"], dev["code_rms"]))
         if "hash_query" in dev:  # the trained hash: the query's weights on the key's sign bits
             hashed = torch.matmul(group_query(query, h).float(), dev["hash_query"])
-            scores = score_codes(hashed, dev["codes"].view(), dev["code_rms"].view(), 1)
+            scores = score_codes(hashed, codes, rms, 1)
         else:
-            scores = score_codes(qr, dev["codes"].view(), dev["code_rms"].view(), self.config.code_bits)
+            scores = score_codes(qr, codes, rms, self.config.code_bits)
         if "anchor_pos" in dev:
             pos = dev["anchor_pos"]  # [b, A], -1 where a row has fewer anchors
             fine = score_codes(qr, dev["anchor_codes"], dev["anchor_rms"], self.config.anchor_bits)
@@ -606,38 +609,56 @@ class SeKV(RecallableMethod):
         vote = torch.where(torch.isinf(first), first, vote)
         return cand.gather(-1, vote.topk(k, dim=-1).indices)
 
-    def _pick(self, memory, query: torch.Tensor, n: int, m: int, k: int) -> torch.Tensor:
+    def _pick(self, memory, query: torch.Tensor, n: int, m: int, k: int, width: int | None = None) -> torch.Tensor:
         """``[b, h, k]``: the rows this step recalls, in sequence order. The group's summed softmax over the
         codes' logits ranks every row (sinks and recent rows forced in, padding out); the best ``m`` go to
-        the rescoring when ``m > k``."""
+        the rescoring when ``m > k``. ``width``: a step of fixed shapes (``_fixed_rows``) over that many allocated
+        rows, those past the row count on the device masked out."""
         h = memory.device_tier["code_mean"].shape[1]
-        valid = host_valid(memory)
+        valid = self._valid(memory, width)
+        c = self.config
+        if width is not None:
+            count = memory.device_tier["codes"].length_tensor()
+            pos = torch.arange(width, device=count.device)
+            live = pos < count
+            valid = live[None, None] if valid is None else valid & live
 
         def mass(q: torch.Tensor) -> torch.Tensor:  # [b, h, n]: the group's mass on each row
-            logits = self.router_scores(memory, q)
+            logits = self.router_scores(memory, q, width)
             if valid is not None:
                 logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
             return torch.softmax(logits, -1).sum(2)
 
-        vote = summed_over_queries(mass, query, n)
-        c = self.config
+        vote = summed_over_queries(mass, query, n if width is None else width)
         if c.sinks:
             sinks = memory.device_tier["sink_pos"][:, None, :].expand(-1, h, -1)
             vote = vote.scatter(-1, sinks, float("inf"))
-        if c.recent:
+        if c.recent and width is None:
             vote[..., max(0, n - c.recent):] = float("inf")
+        elif c.recent:
+            vote = vote.masked_fill(live & (pos >= count - c.recent), float("inf"))
         if valid is not None:
             vote = vote.masked_fill(~valid, float("-inf"))
-        idx = vote.topk(m, dim=-1).indices
+        if width is None:
+            idx = vote.topk(m, dim=-1).indices
+        else:  # padding ranks above the unfilled rows (a sequence with fewer real rows than m takes padding)
+            idx = vote.clamp_min(torch.finfo(vote.dtype).min).masked_fill(~live, float("-inf")).topk(m, dim=-1).indices
         if m > k and c.rescore_from == "host":
             first = vote.gather(-1, idx)
-            idx = self._rescore_host(memory, query, idx, torch.isinf(first) & (first > 0), k)
+            idx = self._rescore_host(memory, query, idx, torch.isinf(first) & (first > 0), k, width)
         elif m > k:
             idx = self._rescore(memory, query, idx, vote.gather(-1, idx), k)
         return idx.sort(dim=-1).values  # sequence order
 
+    @staticmethod
+    def _valid(memory, width: int | None) -> torch.Tensor | None:
+        """``host_valid``, or of the first ``width`` allocated rows in a step of fixed shapes."""
+        if width is None or "valid" not in memory.device_tier:
+            return host_valid(memory)
+        return memory.device_tier["valid"].data[:, :, :width, 0]
+
     def _rescore_host(self, memory, query: torch.Tensor, cand: torch.Tensor, forced: torch.Tensor,
-                      k: int) -> torch.Tensor:
+                      k: int, width: int | None = None) -> torch.Tensor:
         """Stage two from the host tier's own keys (``rescore_from='host'``): the candidates decoded as stored
         and scored exactly against the group's queries (the teacher's own logits, as far as the host tier holds
         them); the ``k`` best by the group's summed softmax, forced rows (``forced``) kept, padding out."""
@@ -661,7 +682,7 @@ class SeKV(RecallableMethod):
             torch.matmul(group_query(q, h).float(), keys_t) * scaling, -1).sum(2), query, m)
         if dest is not None:  # slot order back to the candidates' order
             vote = vote.gather(-1, dest)
-        valid = host_valid(memory)
+        valid = self._valid(memory, width)
         if valid is not None:
             vote = vote.masked_fill(~valid.expand(-1, h, -1).gather(-1, cand), float("-inf"))
         vote = vote.masked_fill(forced, float("inf"))
@@ -699,10 +720,28 @@ class SeKV(RecallableMethod):
                 memory.meta["summary_slot"] = True
         return plan
 
+    def _fixed_rows(self, memory, query: torch.Tensor) -> int | None:
+        """The allocated rows a step of fixed shapes scores, where steps are captured in CUDA graphs on the query's
+        device (``graphs.capturable``) and this layer's can be: the torch path, host rows stored as they are,
+        more rows than stage one keeps. None elsewhere: the step scores the filled rows."""
+        dev, budget = memory.device_tier, memory.meta.get("budget")
+        if budget is None or "codes" not in dev or not graphs.capturable(query) or native.usable(query) \
+                or memory.meta["low_rank"] or memory.meta.get("exact_anchors"):
+            return None
+        n = host_length(memory)
+        if n <= budget - self.config.summary_row or n < self._stage_one(budget):
+            return None
+        return min(buf.capacity for name, buf in dev.items() if name in ("codes", "code_rms", "valid"))
+
+    def graph_key(self, memory, query: torch.Tensor) -> tuple | None:
+        width = self._fixed_rows(memory, query)
+        return None if width is None else (width, memory.meta["budget"], misses_only(memory))
+
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         n = host_length(memory)
         k = memory.meta["budget"] - self.config.summary_row  # the summary row is the budget's last row
         idx = None
+        width = self._fixed_rows(memory, query)
         if n > k:
             # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
             if native.usable(query):
@@ -713,8 +752,8 @@ class SeKV(RecallableMethod):
                 if plan.split:  # stage two from a host tier the kernel cannot read
                     idx = self._rescore_host(memory, query, idx, self._forced(memory, idx, n), k).sort(dim=-1).values
             else:
-                idx = self._pick(memory, query, n, min(n, self._stage_one(memory.meta["budget"])), k)
-        valid = host_valid(memory)
+                idx = self._pick(memory, query, n, min(n, self._stage_one(memory.meta["budget"])), k, width)
+        valid = self._valid(memory, width)
         h = memory.device_tier["code_mean"].shape[1]
         rk, rv, idx = self._recall(memory, idx)
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))

@@ -263,7 +263,7 @@ class NativeLayer:
         if self.lib.zk_sekv_append(self.ref, key.data_ptr(), value.data_ptr(), t):
             raise ValueError(f"sekv's native encoder takes heads of up to 512 channels, not {key.shape[-1]}")
         for buf in self.written:
-            buf.length += t
+            buf.advance(t)
         if self.valid is not None:  # generated rows are real tokens
             self.valid.append(torch.ones(key.shape[0], 1, t, 1, dtype=torch.bool))
         a.n += t

@@ -1,0 +1,118 @@
+"""A decode step's selection captured once and replayed (zoomkv.memory.graphs), held on the CPU.
+
+A CUDA graph replays its kernels with the arguments of the step it was captured in. On the CPU, ``graphs.emulated()``
+captures by tracing (``make_fx``), which holds tensors by reference and bakes every Python value in, as a graph
+does: a step that should read its row count on the device but slices by a Python length replays the length of its
+capture. These tests show that the emulation catches exactly that, and that sekv's step of fixed shapes (the GPU's
+path: torch ops, the recall reading only the rows its buffer misses) replayed this way computes every step what it
+computes run as it is: the same tokens and logits, across a buffer's growth (a new capture), with padding in the
+batch, with the quickstart's host rescoring and `k8v4` host tier.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import greedy, load_tiny, max_logit_diff, padded_batch
+from zoomkv import ZoomCache, native
+from zoomkv.memory import graphs
+from zoomkv.memory.sync_audit import audit_decode
+from zoomkv.memory.tiers import RowBuffer
+from zoomkv.methods import get_method
+from zoomkv.methods.sekv.method import SeKV
+from zoomkv.methods.sekv.modules import SeKVAdapter
+from zoomkv.protocol.method import Selection
+from zoomkv.protocol.recallable import recall_misses_only
+
+
+def _rows_after(step, before: int, after: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's keys captured when the buffer held ``before`` rows, replayed and run as it is at ``after``."""
+    buf = RowBuffer.empty_like(1, 1, 16, 1, dtype=torch.float32, device=torch.device("cpu"))
+    buf.append(torch.arange(1.0, before + 1)[None, None, :, None])
+    buf.length_tensor()
+    query = torch.ones(1, 1, 1, 1)
+    with graphs.emulated():
+        graph = graphs.capture("key", lambda q: step(buf, q), query, memory=None)
+    buf.append(torch.arange(before + 1.0, after + 1)[None, None, :, None])
+    return graph.replay(query).keys, step(buf, query).keys
+
+
+def test_a_replay_holds_the_python_values_of_its_capture_as_a_cuda_graph_does():
+    """The emulation is faithful where it matters: a length read in Python is baked into the capture (the replay
+    sums the rows of the capture's step), a count read on the device is not."""
+
+    def by_length(buf: RowBuffer, q: torch.Tensor) -> Selection:
+        total = buf.view().sum(2, keepdim=True) * q
+        return Selection(total, total)
+
+    def by_count(buf: RowBuffer, q: torch.Tensor) -> Selection:
+        live = torch.arange(buf.capacity) < buf.length_tensor()
+        total = torch.where(live[None, None, :, None], buf.data, 0.0).sum(2, keepdim=True) * q
+        return Selection(total, total)
+
+    buf = RowBuffer.empty_like(1, 1, 16, 1, dtype=torch.float32, device=torch.device("cpu"))
+    buf.data.fill_(float("nan"))  # what an unfilled row may hold: a step of fixed shapes masks it out
+    baked, eager = _rows_after(by_length, 3, 5)
+    assert baked.item() == 6.0 and eager.item() == 15.0
+    replayed, eager = _rows_after(by_count, 3, 5)
+    assert replayed.item() == eager.item() == 15.0
+
+
+def _hashed(config) -> SeKV:
+    """sekv with a trained hash index's shape (8 sign bits a KV head), its projections nudged off their start."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    adapter = SeKVAdapter(config.num_hidden_layers, config.num_key_value_heads, d, hash_bits=8)
+    with torch.no_grad():
+        adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
+    return SeKV(adapter=adapter)
+
+
+SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
+    "codes-rescoring": (lambda config: get_method("sekv"), None, (400, 290), 24),
+    "quickstart-shape": (lambda config: get_method("sekv", rescore_from="host"), "k8v4", (400, 290), 24),
+    "trained-hash": (_hashed, None, (400, 290), 16),
+    # the short sequence holds fewer real rows than stage one's 156 candidates: padding fills its picks
+    "short-sequence": (lambda config: get_method("sekv", rescore_from="host"), None, (400, 100), 16),
+    # 140 steps: the codes' buffer grows (128 rows past the prompt), so every layer is captured again
+    "growth": (lambda config: get_method("sekv"), None, (300,), 140),
+}
+
+
+@pytest.mark.parametrize("case", list(SEKV_CASES))
+def test_sekvs_replayed_step_computes_what_its_step_computes(case):
+    make, host_format, lengths, steps = SEKV_CASES[case]
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
+    layers = model.config.num_hidden_layers
+
+    def run():
+        return greedy(model, ids, mask, ZoomCache(model, make(model.config), 40, kv_quant=host_format), new=steps)
+
+    with torch.no_grad(), native.torch_path(), recall_misses_only(True):
+        with graphs.emulated():
+            before = graphs.counts()
+            replayed = run()
+            counts = {name: graphs.counts()[name] - before[name] for name in before}
+        eager = run()
+    assert torch.equal(replayed.sequences, eager.sequences)
+    assert max_logit_diff(replayed.scores, eager.scores) <= 1e-5
+    # every layer captured once (twice across the growth); every step after its capture a replay
+    assert counts["captures"] == (2 if case == "growth" else 1) * layers, counts
+    assert counts["replays"] >= (steps - 7) * layers, counts
+
+
+def test_nothing_is_captured_where_graphs_are_off_or_a_dispatch_mode_watches(monkeypatch):
+    """``ZOOMKV_CUDA_GRAPHS=0`` runs every step as it is; so does a step under the sync audit (a dispatch mode,
+    which would see a replay as nothing), and that step of fixed shapes reads nothing back to the host."""
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(400, 290))
+    method = get_method("sekv", rescore_from="host")
+    with torch.no_grad(), native.torch_path(), recall_misses_only(True), graphs.emulated():
+        before = graphs.counts()
+        audits = audit_decode(model, ZoomCache(model, method, 40), ids, mask, steps=6)
+        assert all(a.clean for a in audits), [str(e) for a in audits for e in a.events]
+        monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", "0")
+        greedy(model, ids, mask, ZoomCache(model, method, 40), new=6)
+        assert graphs.counts() == before
