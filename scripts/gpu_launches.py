@@ -3,8 +3,10 @@
 At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On a GPU"). This runs the step the
 GPU runs (the torch path, the recall reading only the rows its buffer misses) with zoomkv's Triton kernels
 under Triton's interpreter, and counts what ``zoomkv bench --sync-audit`` counts on a GPU (``SyncAudit.ops``):
-the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. ``--by-place`` lists
-the torch ops by the zoomkv function that issued them.
+the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. A selection the GPU
+captures in a CUDA graph (``zoomkv.memory.graphs``: the step has fixed shapes there) is counted twice: its launches
+as the step runs them, and as one launch, its graph's replay (the last column). ``--by-place`` lists the torch ops by
+the zoomkv function that issued them.
 
     python scripts/gpu_launches.py --methods full,quest,oracle_topk,sekv,sekv:rescore_from=host:kv_quant=k8v4
 
@@ -25,7 +27,7 @@ import torch  # noqa: E402
 
 from zoomkv import ZoomCache, kernels, native  # noqa: E402
 from zoomkv.compat import generate_cache_kwargs  # noqa: E402
-from zoomkv.memory import sync_audit  # noqa: E402
+from zoomkv.memory import graphs, sync_audit  # noqa: E402
 from zoomkv.models import load_model  # noqa: E402
 from zoomkv.protocol.recallable import recall_misses_only  # noqa: E402
 
@@ -36,6 +38,7 @@ class ByPlace(sync_audit.SyncAudit):
     def __init__(self):
         super().__init__()
         self.places: collections.Counter = collections.Counter()
+        self.in_graphs = 0  # launches inside selections a GPU replays from a CUDA graph, less one each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not kernels.launch_running() and not func.is_view and func._schema.name not in sync_audit.NO_KERNEL:
@@ -49,6 +52,32 @@ def parse(spec: str) -> tuple[str, dict[str, str]]:
     return name, dict(option.split("=", 1) for option in options)
 
 
+class CountedGraphs:
+    """While active, ``graphs.select`` notes in ``audit`` how many launches each selection a GPU would replay
+    from a CUDA graph makes as it runs (the audit, a dispatch mode, keeps it from being captured here)."""
+
+    def __init__(self):
+        self.audit: ByPlace | None = None
+
+    def __enter__(self) -> CountedGraphs:
+        self.original = original = graphs.select
+
+        def select(method, memory, query):
+            audit = self.audit
+            if audit is None or method.graph_key(memory, query) is None:
+                return original(method, memory, query)
+            ops, launched = audit.ops, kernels.launches()
+            sel = original(method, memory, query)
+            audit.in_graphs += audit.ops - ops + kernels.launches() - launched - 1
+            return sel
+
+        graphs.select = select
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        graphs.select = self.original
+
+
 @torch.no_grad()
 def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> ByPlace:
     name, options = parse(spec)
@@ -56,7 +85,8 @@ def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> ByPla
     out = model(input_ids=ids, **generate_cache_kwargs(cache), use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     for _ in range(steps):  # the last step is counted: every layer past its first decode step
-        with ByPlace() as audit:
+        with ByPlace() as audit, CountedGraphs() as captured:
+            captured.audit = audit
             out = model(input_ids=token, **generate_cache_kwargs(cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
     return audit
@@ -75,12 +105,15 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     layers = model.config.num_hidden_layers
     print(f"{args.model} ({layers} layers), {args.length} tokens, B={args.budget}, batch 1: launches a decode step\n")
-    print("| method | launches a step | the model's | the cache's, a layer |\n|---|---|---|---|")
+    print("| method | launches a step | the model's | the cache's, a layer | the cache's, a layer, selection captured |")
+    print("|---|---|---|---|---|")
     for spec in args.methods.split(","):
-        with native.torch_path(), recall_misses_only(True):
+        with native.torch_path(), recall_misses_only(True), graphs.emulated():  # the GPU's step, its shapes fixed
             audit = count(model, ids, spec, args.budget, args.steps)
         model_ops = audit.places["the model"]
-        print(f"| {spec} | {audit.ops} | {model_ops} | {(audit.ops - model_ops) / layers:.0f} |")
+        cache_ops = audit.ops - model_ops
+        print(f"| {spec} | {audit.ops} | {model_ops} | {cache_ops / layers:.0f} | "
+              f"{(cache_ops - audit.in_graphs) / layers:.0f} |")
         if args.by_place:
             for place, n in [*audit.places.most_common(), ("zoomkv's Triton kernels", audit.ops - audit.places.total())]:
                 print(f"|   {place} | {n} | | |")

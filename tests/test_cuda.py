@@ -380,22 +380,23 @@ def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
 
 # -- a decode step's selection as a CUDA graph (zoomkv.memory.graphs; tests/test_graphs.py emulates it on the CPU) --
 # 400 and 290 tokens at B=40: more rows than sekv's stage one keeps (156), so its step has fixed shapes
-GRAPH_CASES = {"codes-rescoring": ({}, None), "quickstart-shape": ({"rescore_from": "host"}, "k8v4")}
+GRAPH_CASES = {"codes-rescoring": ("sekv", {}, None), "quickstart-shape": ("sekv", {"rescore_from": "host"}, "k8v4"),
+               "quest": ("quest", {}, None)}
 
 
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, monkeypatch):
-    """sekv's selection captured in a CUDA graph per layer and replayed: the greedy tokens of the same model with
-    graphs off (``ZOOMKV_CUDA_GRAPHS=0``: the step as it ran before graphs)."""
+    """sekv's and Quest's selection captured in a CUDA graph per layer and replayed: the greedy tokens of the same
+    model with graphs off (``ZOOMKV_CUDA_GRAPHS=0``: the step as it ran before graphs)."""
     from zoomkv.memory import graphs
 
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("CUDA graphs are CUDA's (tests/test_graphs.py emulates them on the CPU)")
-    kwargs, host_format = GRAPH_CASES[case]
+    name, kwargs, host_format = GRAPH_CASES[case]
     ids, mask = _batch(tiny, lengths=(400, 290))
 
     def run():
-        return greedy(tiny, ids, mask, ZoomCache(tiny, get_method("sekv", **kwargs), 40, kv_quant=host_format), new=24)
+        return greedy(tiny, ids, mask, ZoomCache(tiny, get_method(name, **kwargs), 40, kv_quant=host_format), new=24)
 
     before = graphs.counts()
     captured = run()
@@ -410,6 +411,6 @@ def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mon
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_captured_steps_never_synchronise_the_device(tiny, case):
     """The steps that capture and replay the selection, under ``set_sync_debug_mode("error")``."""
-    kwargs, host_format = GRAPH_CASES[case]
-    cache = ZoomCache(tiny, get_method("sekv", **kwargs), 40, kv_quant=host_format)
+    name, kwargs, host_format = GRAPH_CASES[case]
+    cache = ZoomCache(tiny, get_method(name, **kwargs), 40, kv_quant=host_format)
     _steps_without_a_wait(tiny, cache, lengths=(400, 290), steps=8)

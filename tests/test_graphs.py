@@ -4,9 +4,9 @@ A CUDA graph replays its kernels with the arguments of the step it was captured 
 captures by tracing (``make_fx``), which holds tensors by reference and bakes every Python value in, as a graph
 does: a step that should read its row count on the device but slices by a Python length replays the length of its
 capture. These tests show that the emulation catches exactly that, and that sekv's step of fixed shapes (the GPU's
-path: torch ops, the recall reading only the rows its buffer misses) replayed this way computes every step what it
-computes run as it is: the same tokens and logits, across a buffer's growth (a new capture), with padding in the
-batch, with the quickstart's host rescoring and `k8v4` host tier.
+path: torch ops, the recall reading only the rows its buffer misses) and Quest's, replayed this way, compute every
+step what they compute run as they are: the same tokens and logits, across a buffer's growth (a new capture), with
+padding in the batch, with the quickstart's host rescoring and `k8v4` host tier.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
     # 140 steps: the codes' buffer grows (128 rows past the prompt), so every layer is captured again
     "growth": (lambda config: get_method("sekv"), None, (300,), 140),
 }
+QUEST_CASES = {  # name: (prompt lengths, steps, ZoomCache options, reading only the missed rows)
+    "padded": ((400, 290), 40, {}, True),
+    "padding-only-pages": ((400, 30), 20, {}, True),
+    "every-row-read": ((300,), 40, {}, False),
+    "with-tail": ((400, 290), 24, {"tail_summary": True}, True),
+}
 
 
 @pytest.mark.parametrize("case", list(SEKV_CASES))
@@ -90,17 +96,43 @@ def test_sekvs_replayed_step_computes_what_its_step_computes(case):
     def run():
         return greedy(model, ids, mask, ZoomCache(model, make(model.config), 40, kv_quant=host_format), new=steps)
 
-    with torch.no_grad(), native.torch_path(), recall_misses_only(True):
-        with graphs.emulated():
-            before = graphs.counts()
-            replayed = run()
-            counts = {name: graphs.counts()[name] - before[name] for name in before}
-        eager = run()
+    replayed, eager, counts = _replayed_and_eager(run, misses_only=True)
     assert torch.equal(replayed.sequences, eager.sequences)
     assert max_logit_diff(replayed.scores, eager.scores) <= 1e-5
     # every layer captured once (twice across the growth); every step after its capture a replay
     assert counts["captures"] == (2 if case == "growth" else 1) * layers, counts
     assert counts["replays"] >= (steps - 7) * layers, counts
+
+
+def _replayed_and_eager(run, misses_only: bool):
+    """``run()`` with its selections captured and replayed (emulated), then as it runs on the CPU; the captures and
+    replays the first made."""
+    with torch.no_grad(), native.torch_path(), recall_misses_only(misses_only):
+        with graphs.emulated():
+            before = graphs.counts()
+            replayed = run()
+            counts = {name: graphs.counts()[name] - before[name] for name in before}
+        eager = run()
+    return replayed, eager, counts
+
+
+@pytest.mark.parametrize("case", list(QUEST_CASES))
+def test_quests_replayed_step_computes_what_its_step_computes(case):
+    """Quest in fixed shapes: every allocated page scored, those past the page count out, always ``k`` pages of
+    rows (the newest page's unfilled slots name rows of a page not chosen, masked): the same tokens, and the
+    logits of recalling the filled rows alone within float rounding."""
+    lengths, steps, options, misses = QUEST_CASES[case]
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
+    compressed = model.config.num_hidden_layers - get_method("quest").config.dense_layers
+
+    def run():
+        return greedy(model, ids, mask, ZoomCache(model, "quest", 64, **options), new=steps)
+
+    replayed, eager, counts = _replayed_and_eager(run, misses_only=misses)
+    assert torch.equal(replayed.sequences, eager.sequences)
+    assert max_logit_diff(replayed.scores, eager.scores) <= 1e-5
+    assert counts["captures"] >= compressed and counts["replays"] >= (steps - 7) * compressed, counts
 
 
 def test_nothing_is_captured_where_graphs_are_off_or_a_dispatch_mode_watches(monkeypatch):

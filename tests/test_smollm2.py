@@ -158,3 +158,33 @@ def test_the_gpus_step_picks_what_the_cpus_step_picks_on_the_real_weights(smollm
         finite = torch.isfinite(a)
         assert torch.equal(finite, torch.isfinite(b))
         assert (a[finite] - b[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["sekv", "quest"])
+def test_a_replayed_step_picks_what_the_step_picks_on_the_real_weights(smollm2, name):
+    """The selection a GPU captures in a CUDA graph and replays (zoomkv.memory.graphs; emulated on the CPU by a trace
+    that bakes Python values in as a graph does), on SmolLM2's weights: the greedy tokens and logits of the GPU's
+    step run as it is (sekv as the quickstart runs it: host rescoring, `k8v4`)."""
+    from zoomkv import native
+    from zoomkv.memory import graphs
+    from zoomkv.protocol.recallable import recall_misses_only
+
+    model, tok = smollm2
+    prompt = passkey_prompt(tok, 1024, depth=0.4, seed=5)
+    inputs = tok([prompt.text], return_tensors="pt")
+    options = {"kv_quant": "k8v4", "rescore_from": "host"} if name == "sekv" else {}
+
+    def run():
+        return _greedy(model, inputs, ZoomCache(model, name, 64, **options), new=8)
+
+    with native.torch_path(), recall_misses_only(True):
+        plain = run()
+        before = graphs.counts()["replays"]
+        with graphs.emulated():
+            replayed = run()
+    assert graphs.counts()["replays"] > before
+    assert torch.equal(replayed.sequences, plain.sequences)
+    for a, b in zip(replayed.scores, plain.scores, strict=True):
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        assert (a[finite] - b[finite]).abs().max().item() < 1e-4

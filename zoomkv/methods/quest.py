@@ -29,17 +29,23 @@ import torch
 import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
+from zoomkv.memory import graphs
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.protocol.method import MethodConfig, PrefillContext, Selection, group_query, summed_over_queries
 from zoomkv.protocol.recallable import (
     RecallableMethod,
     check_dense_layers,
     check_group_score,
+    host_length,
     host_valid,
+    is_dense,
+    misses_only,
     padding_bias,
     recall_rows,
     reserve_recall_buffer,
 )
+
+ROW_COUNT = "quest_rows"  # memory.meta: the host rows' count on the device, kept where a step has fixed shapes
 
 
 @dataclass
@@ -126,6 +132,8 @@ class Quest(RecallableMethod):
         reserve_recall_buffer(memory, min(budget, ctx.keys.shape[2]))
 
     def index_append(self, memory, key: torch.Tensor, value: torch.Tensor, n: int) -> None:
+        if ROW_COUNT in memory.meta:
+            memory.meta[ROW_COUNT].add_(key.shape[2])
         page_min, page_max = memory.device_tier["page_min"], memory.device_tier["page_max"]
         page_valid = memory.device_tier.get("page_valid")
         if n % self.config.page_size == 0:  # the last page is full: the new row opens a page of its own
@@ -145,7 +153,22 @@ class Quest(RecallableMethod):
         last_max.copy_(torch.where(live, torch.maximum(last_max, key), key))
         live.fill_(True)
 
+    def _fixed_pages(self, memory, query: torch.Tensor) -> int | None:
+        """The allocated pages a step of fixed shapes scores, where steps are captured in CUDA graphs on the query's
+        device (``graphs.capturable``) and this layer picks pages (more rows than its budget); None elsewhere."""
+        if is_dense(memory) or not graphs.capturable(query) or host_length(memory) <= memory.meta["budget"]:
+            return None
+        dev = memory.device_tier
+        return min(buf.capacity for name, buf in dev.items() if name in ("page_min", "page_max", "page_valid"))
+
+    def graph_key(self, memory, query: torch.Tensor) -> tuple | None:
+        width = self._fixed_pages(memory, query)
+        return None if width is None else (width, memory.meta["budget"], misses_only(memory))
+
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
+        width = self._fixed_pages(memory, query)
+        if width is not None:
+            return self._select_fixed(memory, query, width)
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
         ps = self.config.page_size
         page_min = memory.device_tier["page_min"].view()
@@ -176,3 +199,42 @@ class Quest(RecallableMethod):
         rk, rv, idx = recall_rows(memory, keys, values, idx)
         bias = padding_bias(host_valid(memory), idx, kv_heads, query.dtype, query.device)
         return Selection(rk, rv, bias)
+
+    def _select_fixed(self, memory, query: torch.Tensor, width: int) -> Selection:
+        """``select_rows`` in fixed shapes: the first ``width`` allocated pages scored, those past the page count
+        (read on the device) out, and always ``k`` pages of rows recalled. The newest page's unfilled slots name
+        rows of the best page not chosen instead, masked: every index is a filled row, distinct, and the
+        attention is that of the selected rows alone."""
+        dev, ps = memory.device_tier, self.config.page_size
+        keys, values = memory.host_tier["keys"], memory.host_tier["values"]
+        k, largest = memory.meta["budget"] // ps, self.config.group_score == "max"
+        page_min, page_max = dev["page_min"].data[:, :, :width], dev["page_max"].data[:, :, :width]
+        kv_heads = page_min.shape[1]
+        pages = dev["page_min"].length_tensor()
+        if ROW_COUNT not in memory.meta:  # the rows' count on the device from now on (index_append keeps it)
+            memory.meta[ROW_COUNT] = torch.full((1,), host_length(memory), dtype=torch.long, device=pages.device)
+        rows_held = memory.meta[ROW_COUNT]
+
+        def vote(block: torch.Tensor) -> torch.Tensor:
+            bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)
+            return bound.amax(dim=2) if largest else bound.sum(dim=2)
+
+        score = summed_over_queries(vote, query, width, largest=largest)
+        if "page_valid" in dev:
+            score = score.masked_fill(~dev["page_valid"].data[:, :, :width, 0], float("-inf"))
+        at = torch.arange(width, device=pages.device)
+        score = score.masked_fill(at == pages - 1, float("inf"))  # the current page is always attended
+        # Pages past the count rank below padding pages: k + 1 live pages always exist (n > budget >= k·ps).
+        ranked = score.clamp_min(torch.finfo(score.dtype).min).masked_fill(at >= pages, float("-inf"))
+        top = ranked.topk(k + 1, dim=-1).indices
+        chosen, spare = top[..., :k].sort(dim=-1).values, top[..., k:]  # the newest page is the last chosen
+        offsets = torch.arange(ps, device=chosen.device)
+        rows = chosen[..., None] * ps + offsets  # [b, h, k, ps]
+        unfilled = offsets >= rows_held - (pages - 1) * ps  # the newest page's slots no row has reached
+        rows[..., -1, :] = torch.where(unfilled, spare * ps + offsets, rows[..., -1, :])
+        rk, rv, held = recall_rows(memory, keys, values, rows.flatten(-2))
+        valid = dev["valid"].data[:, :, :, 0] if "valid" in dev else None
+        bias = padding_bias(valid, held, kv_heads, query.dtype, query.device)
+        if bias is None:
+            bias = torch.zeros(held.shape, dtype=query.dtype, device=query.device)
+        return Selection(rk, rv, bias.masked_fill(held // ps == spare, float("-inf")))
