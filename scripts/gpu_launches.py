@@ -4,8 +4,8 @@ At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On 
 GPU runs (the torch path, the recall reading only the rows its buffer misses) with zoomkv's Triton kernels
 under Triton's interpreter, and counts what ``zoomkv bench --sync-audit`` counts on a GPU (``SyncAudit.ops``):
 the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. A selection the GPU
-captures in a CUDA graph (``zoomkv.memory.graphs``: the step has fixed shapes there) is counted twice: its launches
-as the step runs them, and as one launch, its graph's replay (the last column). ``--by-place`` lists the torch ops by
+captures in a CUDA graph with its append (``zoomkv.memory.graphs``: the step has fixed shapes there) is counted twice:
+its launches as the step runs them, and as one launch, its graph's replay (the last column). ``--by-place`` lists the torch ops by
 the zoomkv function that issued them.
 
     python scripts/gpu_launches.py --methods full,quest,oracle_topk,sekv,sekv:rescore_from=host:kv_quant=k8v4
@@ -53,29 +53,30 @@ def parse(spec: str) -> tuple[str, dict[str, str]]:
 
 
 class CountedGraphs:
-    """While active, ``graphs.select`` notes in ``audit`` how many launches each selection a GPU would replay
-    from a CUDA graph makes as it runs (the audit, a dispatch mode, keeps it from being captured here)."""
+    """While active, ``graphs.step`` notes in ``audit`` how many launches each step (append and selection) a GPU
+    would replay from a CUDA graph makes as it runs (the audit, a dispatch mode, keeps it from being captured
+    here)."""
 
     def __init__(self):
         self.audit: ByPlace | None = None
 
     def __enter__(self) -> CountedGraphs:
-        self.original = original = graphs.select
+        self.original = original = graphs.step
 
-        def select(method, memory, query):
+        def step(method, memory, key, value, query):
             audit = self.audit
             if audit is None or method.graph_key(memory, query) is None:
-                return original(method, memory, query)
+                return original(method, memory, key, value, query)
             ops, launched = audit.ops, kernels.launches()
-            sel = original(method, memory, query)
+            sel = original(method, memory, key, value, query)
             audit.in_graphs += audit.ops - ops + kernels.launches() - launched - 1
             return sel
 
-        graphs.select = select
+        graphs.step = step
         return self
 
     def __exit__(self, *exc: object) -> None:
-        graphs.select = self.original
+        graphs.step = self.original
 
 
 @torch.no_grad()
@@ -105,7 +106,7 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     layers = model.config.num_hidden_layers
     print(f"{args.model} ({layers} layers), {args.length} tokens, B={args.budget}, batch 1: launches a decode step\n")
-    print("| method | launches a step | the model's | the cache's, a layer | the cache's, a layer, selection captured |")
+    print("| method | launches a step | the model's | the cache's, a layer | the cache's, a layer, step captured |")
     print("|---|---|---|---|---|")
     for spec in args.methods.split(","):
         with native.torch_path(), recall_misses_only(True), graphs.emulated():  # the GPU's step, its shapes fixed

@@ -1,12 +1,13 @@
-"""A decode step's selection captured once and replayed (zoomkv.memory.graphs), held on the CPU.
+"""A decode step (its append and its selection) captured once and replayed (zoomkv.memory.graphs), held on the CPU.
 
 A CUDA graph replays its kernels with the arguments of the step it was captured in. On the CPU, ``graphs.emulated()``
 captures by tracing (``make_fx``), which holds tensors by reference and bakes every Python value in, as a graph
 does: a step that should read its row count on the device but slices by a Python length replays the length of its
 capture. These tests show that the emulation catches exactly that, and that sekv's step of fixed shapes (the GPU's
-path: torch ops, the recall reading only the rows its buffer misses) and Quest's, replayed this way, compute every
-step what they compute run as they are: the same tokens and logits, across a buffer's growth (a new capture), with
-padding in the batch, with the quickstart's host rescoring and `k8v4` host tier.
+path: torch ops, rows written at a position read on the device, the recall reading only the rows its buffer
+misses) and Quest's, replayed this way, compute every step what they compute run as they are: the same tokens and
+logits, across a buffer's growth (a new capture), with padding in the batch, with the quickstart's host rescoring
+and `k8v4` host tier.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _rows_after(step, before: int, after: int) -> tuple[torch.Tensor, torch.Tens
     buf.length_tensor()
     query = torch.ones(1, 1, 1, 1)
     with graphs.emulated():
-        graph = graphs.capture("key", lambda q: step(buf, q), query, memory=None)
+        graph, _ = graphs.capture("key", lambda q: step(buf, q), (query,), memory=None)
     buf.append(torch.arange(before + 1.0, after + 1)[None, None, :, None])
     return graph.replay(query).keys, step(buf, query).keys
 

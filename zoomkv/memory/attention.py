@@ -172,12 +172,11 @@ def zoomkv_attention_forward(
         )
     if query.shape[2] > 1:
         return extend_layer(module, cache, memory, query, key, value, attention_mask, scale, **kwargs), None
-    with phase("append"):
-        method.append(memory, key, value)
-        if cache.tail_summary:
+    # append, then select: replayed from a CUDA graph where the method's step allows (zoomkv.memory.graphs)
+    sel = graphs.step(method, memory, key, value, query)
+    if cache.tail_summary:  # (the rest's running sums: read by with_tail below, not by the selection)
+        with phase("append"):
             append_tail(memory, key, value)
-    with phase("select"):
-        sel = graphs.select(method, memory, query)  # replayed from a CUDA graph where the method's step allows
     _check_budget(cache, memory, cache.budget_rows)
     if cache.probe is not None:
         cache.probe.step(layer_idx, query, key, sel, scale)

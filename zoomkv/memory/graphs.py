@@ -1,22 +1,25 @@
-"""A decode step's selection as a CUDA graph: captured once per layer, replayed while its shapes hold.
+"""A decode step as a CUDA graph: captured once per layer, replayed while its shapes hold.
 
-At batch 1 a GPU decode step waits on its launches, not on its bytes: sekv's selection is some fifty small
-kernels a layer (scoring, vote, top-k, rescoring, the recall's plan and reads, the summary row), each a few
-microseconds of the host's time, where the rows it reads take less. Replayed as one CUDA graph, the selection
-is one launch a layer.
+At batch 1 a GPU decode step waits on its launches, not on its bytes: sekv's append and selection are some fifty
+small kernels a layer (coding the new row and writing it to both tiers, scoring, vote, top-k, rescoring, the
+recall's plan and reads, the summary row), each a few microseconds of the host's time, where the rows they read
+take less. Replayed as one CUDA graph, a compressed layer's step is one launch.
 
 A graph replays the kernels it captured with the arguments they had then, so what it captures must not change
 from step to step in Python: no value read back to the host (the sync audit holds every method to that), fixed
 shapes (a method scores its buffers' whole allocation and masks the rows past a count kept on the device,
-``RowBuffer.length_tensor``, instead of slicing to the filled length), and the state a step hands the next kept
-in place (a recall buffer's slot map). A method says when its step is of that kind with ``KVMethod.graph_key``
-(a key of what its shapes depend on; None: run it as it is); the runtime adds every tier tensor's address and
-shape to the key, runs the step as usual the first time it sees a key, captures it the second time and replays
-it from the third. A new key (a buffer grew, a new prefill) starts over; a capture that fails leaves the layer
-to run as usual.
+``RowBuffer.length_tensor``, instead of slicing to the filled length), rows appended at a position read on the
+device (``RowBuffer.write_at``), and the state a step hands the next kept in place (a recall buffer's slot map).
+A method says when its step is of that kind with ``KVMethod.graph_key`` (a key of what its shapes depend on; None:
+``append`` and ``select`` run as they are) and splits its append into the work on tensors
+(``append_on_device``) and the Python side (``appended``: lengths), which runs at every step, replayed or not.
+The runtime adds every tier tensor's address and shape to the key, runs the step as usual the first time it sees
+a key, captures it the second time and replays it from the third. A new key (a buffer grew, a new prefill)
+starts over; a capture that fails leaves the layer to run uncaptured.
 
 Nothing is captured while a phase clock runs (``--profile`` synchronises inside the step) or under a dispatch
-mode (the sync audit counts the ops of the step as it runs); ``ZOOMKV_CUDA_GRAPHS=0`` turns graphs off.
+mode (the sync audit counts the ops of the step as it runs): the step of fixed shapes then runs as it is, so it
+computes the same. ``ZOOMKV_CUDA_GRAPHS=0`` turns graphs and the fixed shapes off.
 
 On the CPU, ``emulated()`` stands in for tests: the step is traced with torch.fx's ``make_fx``, which holds the
 tier tensors by reference and bakes every Python value into the trace, as a CUDA graph holds addresses and
@@ -37,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from zoomkv.protocol.method import KVMethod, Memory, Selection
-from zoomkv.protocol.phases import clock_running
+from zoomkv.protocol.phases import clock_running, phase
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +52,13 @@ _COUNTS = {"captures": 0, "replays": 0}
 
 
 def counts() -> dict[str, int]:
-    """Selections captured and replayed so far in this process."""
+    """Decode steps captured and replayed so far in this process (captures count the layers' graphs)."""
     return dict(_COUNTS)
 
 
 @contextlib.contextmanager
 def emulated(on: bool = True) -> Iterator[None]:
-    """Capture and replay selections on the CPU by tracing (``make_fx``) where a GPU would use CUDA graphs: the
+    """Capture and replay decode steps on the CPU by tracing (``make_fx``) where a GPU would use CUDA graphs: the
     tests' stand-in for a graph's replay."""
     global _EMULATE
     before, _EMULATE = _EMULATE, on
@@ -75,7 +78,7 @@ def capturable(query: torch.Tensor) -> bool:
 
 
 def enabled(query: torch.Tensor) -> bool:
-    """Whether this step's selection is captured or replayed now: ``capturable``, and no phase clock and no
+    """Whether this step is captured or replayed now: ``capturable``, and no phase clock and no
     dispatch mode running (each would see a replay as nothing)."""
     return capturable(query) and not clock_running() and _get_current_dispatch_mode() is None
 
@@ -94,37 +97,59 @@ def tier_layout(memory: Memory) -> tuple:
 
 @dataclass
 class StepGraph:
-    """One layer's captured selection: ``replay(query)`` runs it on this step's query."""
+    """One layer's captured decode step: ``replay(key, value, query)`` runs it on this step's rows and query."""
 
     key: Hashable
-    replay: Callable[[torch.Tensor], Selection]
+    replay: Callable[..., Selection]  # (key, value, query) of this step -> its selection
 
 
-def select(method: KVMethod, memory: Memory, query: torch.Tensor) -> Selection:
-    """``method.select(memory, query)``, replayed from a captured graph where the method's step allows one."""
-    key = method.graph_key(memory, query) if enabled(query) and not memory.meta.get(FAILED) else None
-    if key is None:
+def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> Selection:
+    """A decode step on a compressed layer: ``method.append`` the new rows, then ``method.select``; replayed from a
+    captured graph where the method's step allows one (its ``graph_key``), the Python side of the append
+    (``appended``) run every step."""
+    key_of = method.graph_key(memory, query) if capturable(query) and not memory.meta.get(FAILED) else None
+    if key_of is None:
         memory.meta.pop(GRAPH, None)
-        return method.select(memory, query)
-    key = (key, tuple(query.shape), query.dtype, tier_layout(memory))
+        with phase("append"):
+            method.append(memory, key, value)
+        with phase("select"):
+            return method.select(memory, query)
+    rows = key.shape[2]
+    method.prepare_step(memory, rows)  # a buffer that grows now changes the layout: a new key
+    step_key = (method.graph_key(memory, query), tuple(key.shape), tuple(value.shape), tuple(query.shape),
+                query.dtype, key.dtype, tier_layout(memory))
     graph = memory.meta.get(GRAPH)
-    if graph is not None and graph.key == key:
+    live = enabled(query)
+    if live and graph is not None and graph.key == step_key:
         _COUNTS["replays"] += 1
-        return graph.replay(query)
+        sel = graph.replay(key, value, query)
+        method.appended(memory, rows)
+        return sel
     memory.meta.pop(GRAPH, None)
-    sel = method.select(memory, query)
-    if tier_layout(memory) != key[3]:  # the step itself made or grew a buffer: capture a later one
-        memory.meta[SEEN] = None
-    elif memory.meta.get(SEEN) != key:
-        memory.meta[SEEN] = key  # first time at this key: run as usual (kernels built, buffers settled)
-    else:
-        # Second time: capture. Running the step again is harmless: a selection of the same query over the same
-        # rows picks the same rows, and the recall buffer already holds them in their slots.
-        graph = capture(key, lambda q: method.select(memory, q), query, memory)
-        if graph is not None and tier_layout(memory) == key[3]:
-            _COUNTS["captures"] += 1
-            memory.meta[GRAPH] = graph
+    if live and memory.meta.get(SEEN) == step_key:
+        # Second time at this key (kernels built, buffers settled): captured, and this step is the capture's run.
+        graph, sel = capture(step_key, lambda k, v, q: _device_step(method, memory, k, v, q), (key, value, query),
+                             memory)
+        if graph is not None:
+            method.appended(memory, rows)
+            if tier_layout(memory) == step_key[-1]:
+                _COUNTS["captures"] += 1
+                memory.meta[GRAPH] = graph
+            return sel
+    with phase("append"):
+        method.append_on_device(memory, key, value)
+        method.appended(memory, rows)
+    with phase("select"):
+        sel = method.select(memory, query)
+    # first time at this key: run as it is; a step that made or grew a buffer of its own is captured later
+    memory.meta[SEEN] = step_key if tier_layout(memory) == step_key[-1] else None
     return sel
+
+
+def _device_step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tensor,
+                 query: torch.Tensor) -> Selection:
+    method.append_on_device(memory, key, value)
+    return method.select(memory, query)
 
 
 def _flat(sel: Selection) -> tuple[torch.Tensor, ...]:
@@ -135,24 +160,29 @@ def _selection(out: tuple[torch.Tensor, ...], use_model_mask: bool) -> Selection
     return Selection(out[0], out[1], out[2] if len(out) > 2 else None, use_model_mask)
 
 
-def capture(key: Hashable, step: Callable[[torch.Tensor], Selection], query: torch.Tensor,
-            memory: Memory) -> StepGraph | None:
-    """``step`` captured on a copy of ``query`` (a CUDA graph; a ``make_fx`` trace under ``emulated()``), or None
-    where the capture failed (the layer then runs as usual from now on, said once in the log)."""
-    static_query = query.clone()
-    if not query.is_cuda:  # emulated: a trace that holds tensors by reference and bakes Python values
+def capture(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Tensor, ...],
+            memory: Memory) -> tuple[StepGraph | None, Selection | None]:
+    """``fn(*inputs)`` captured on copies of ``inputs`` (a CUDA graph; a ``make_fx`` trace under ``emulated()``) and
+    run once: the graph and this step's result. (None, None) where the capture failed: nothing of it ran, and the
+    layer runs uncaptured from now on (said once in the log)."""
+    static = tuple(t.clone() for t in inputs)
+    if not inputs[0].is_cuda:  # emulated: a trace holds tensors by reference and bakes Python values in
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        shape: list[bool] = []
+        results: list[Selection] = []
 
-        def traced(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            sel = step(q)
-            shape.append(sel.use_model_mask)
-            return _flat(sel)
+        def traced(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            results.append(fn(*args))  # tracing runs the step: this step's result
+            return _flat(results[-1])
 
-        module = make_fx(traced)(static_query)
-        return StepGraph(key, lambda q: _selection(tuple(module(q)), shape[0]))
-    device = query.device
+        module = make_fx(traced)(*static)
+        mask = results[0].use_model_mask
+
+        def replay_trace(*args: torch.Tensor) -> Selection:
+            return _selection(tuple(module(*args)), mask)
+
+        return StepGraph(key, replay_trace), results[0]
+    device = inputs[0].device
     if device not in _POOLS:
         # One memory pool for every layer's graph: a layer's replay overwrites what another's left there, which is
         # safe because each selection is attended to before the next layer's replays (nothing runs concurrently).
@@ -164,21 +194,22 @@ def capture(key: Hashable, step: Callable[[torch.Tensor], Selection], query: tor
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=_POOLS[device])
             try:
-                sel = step(static_query)
+                sel = fn(*static)
             finally:
                 graph.capture_end()
     except Exception as err:  # noqa: BLE001 -- a step that cannot be captured still runs, uncaptured
         memory.meta[FAILED] = True
         log.warning("layer %s: its decode step cannot be captured in a CUDA graph (%s); it runs uncaptured",
                     memory.meta.get("layer", "?"), str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+        return None, None
     finally:
         torch.cuda.current_stream(device).wait_stream(stream)
-    out, use_model_mask = _flat(sel), sel.use_model_mask
+    out, mask = _flat(sel), sel.use_model_mask
 
-    def replay(q: torch.Tensor) -> Selection:
-        static_query.copy_(q)
+    def replay(*args: torch.Tensor) -> Selection:
+        for held, now in zip(static, args, strict=True):
+            held.copy_(now)
         graph.replay()
-        return _selection(out, use_model_mask)
+        return _selection(out, mask)
 
-    return StepGraph(key, replay)
+    return StepGraph(key, replay), replay(*inputs)

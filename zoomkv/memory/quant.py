@@ -341,6 +341,22 @@ class QuantizedRowBuffer(RowBuffer):
         self.lo.append(lo)
         self.length += rows.shape[2]
 
+    @property
+    def writes_at(self) -> bool:
+        return self.exact is None and not self.pad
+
+    def write_at(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """``RowBuffer.write_at`` for coded rows: coded where they are (one kernel on a GPU), each part written at
+        ``at`` (per token: codes, scales and minimums have a row each)."""
+        codes, scale, lo = quantize(self._prepared(rows), self.bits, self.group)
+        for part, coded in ((self.codes, codes), (self.scale, scale), (self.lo, lo)):
+            part.write_at(coded, at)
+
+    def note_written(self, n: int, *, from_gpu: bool) -> None:
+        for part in (self.codes, self.scale, self.lo):
+            part.note_written(n, from_gpu=from_gpu)
+        self.length += n
+
     def _append_native(self, rows: torch.Tensor) -> bool:
         """``quantize``'s codes of CPU float32 rows in one compiled pass, written straight into the buffers (a
         decode step appends one row a layer, where the torch path's dozen ops cost more than the coding).
@@ -434,6 +450,10 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         self._append_blocks(data[:, :, :full])
         # < block rows: a plain tensor, no room to grow into
         self.residual = data[:, :, full:].to(open_device or data.device).contiguous()
+
+    @property
+    def writes_at(self) -> bool:  # a row may close a block and code it: not a write at one position
+        return False
 
     def _append_blocks(self, rows: torch.Tensor) -> None:
         """Whole blocks of rows coded after the buffers' rows: by the compiled quantizer on CPU float32 rows,

@@ -120,6 +120,30 @@ class RowBuffer:
         if self._length_tensor is not None:
             self._length_tensor.add_(n)
 
+    def write_at(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """``rows`` ``[b, h, t, d]`` into rows ``at``, ``at + 1``, ... (``at``: a one-element tensor on the rows'
+        device, e.g. ``length_tensor()``), after ``reserve(t)``: an append whose position is read on the device, so
+        a CUDA graph replays it at the step's position. Pinned rows are written from the GPU by the gather kernel
+        (rows to slots); ``note_written(t)`` then does the append's Python side."""
+        b, h, t, _ = rows.shape
+        rows = rows.to(self.data.dtype)
+        slots = at if t == 1 else at + torch.arange(t, device=at.device)
+        if not (self.pinned and rows.is_cuda):  # rows and buffer on one device: one indexed copy
+            self.data.index_copy_(2, slots.to(self.data.device), rows.to(self.data.device))
+            return
+        gather_rows(rows, torch.arange(t, device=rows.device).expand(b, h, t), self.data, dest=slots.expand(b, h, t))
+
+    def note_written(self, n: int, *, from_gpu: bool) -> None:
+        """``n`` rows were written past ``length`` by ``write_at`` (whose caller advances ``length_tensor`` on the
+        device itself); ``from_gpu``: into pinned memory by a GPU kernel, so a host read waits for it."""
+        self.length += n
+        self.in_flight |= self.pinned and from_gpu
+
+    @property
+    def writes_at(self) -> bool:
+        """Whether ``write_at`` holds for this buffer (rows stored as they are, or coded row by row)."""
+        return True
+
     def wait(self) -> None:
         """Before the host reads rows: wait for the asynchronous copies that write them (rare: the GPU path
         reads them on the GPU)."""

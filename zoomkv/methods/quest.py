@@ -153,17 +153,71 @@ class Quest(RecallableMethod):
         last_max.copy_(torch.where(live, torch.maximum(last_max, key), key))
         live.fill_(True)
 
-    def _fixed_pages(self, memory, query: torch.Tensor) -> int | None:
+    def _fixed_pages(self, memory, query: torch.Tensor, coming: int = 0) -> int | None:
         """The allocated pages a step of fixed shapes scores, where steps are captured in CUDA graphs on the query's
-        device (``graphs.capturable``) and this layer picks pages (more rows than its budget); None elsewhere."""
-        if is_dense(memory) or not graphs.capturable(query) or host_length(memory) <= memory.meta["budget"]:
+        device (``graphs.capturable``) and this layer picks pages (more rows than its budget, ``coming``: rows this
+        step appends still) from a host tier written row by row; None elsewhere."""
+        if is_dense(memory) or not graphs.capturable(query) \
+                or host_length(memory) + coming <= memory.meta["budget"] \
+                or not all(memory.host_tier[name].writes_at for name in ("keys", "values")):
             return None
         dev = memory.device_tier
         return min(buf.capacity for name, buf in dev.items() if name in ("page_min", "page_max", "page_valid"))
 
     def graph_key(self, memory, query: torch.Tensor) -> tuple | None:
-        width = self._fixed_pages(memory, query)
+        width = self._fixed_pages(memory, query, coming=query.shape[2])
         return None if width is None else (width, memory.meta["budget"], misses_only(memory))
+
+    def _row_count(self, memory) -> torch.Tensor:
+        """The host rows' count on the device, kept from now on (by ``index_append`` and ``append_on_device``)."""
+        if ROW_COUNT not in memory.meta:
+            pages = memory.device_tier["page_min"].data
+            memory.meta[ROW_COUNT] = torch.full((1,), host_length(memory), dtype=torch.long, device=pages.device)
+        return memory.meta[ROW_COUNT]
+
+    def _page_buffers(self, memory) -> list:
+        dev = memory.device_tier
+        return [dev[name] for name in ("page_min", "page_max", "page_valid") if name in dev]
+
+    def _host_buffers(self, memory) -> list:
+        return [memory.host_tier["keys"], memory.host_tier["values"],
+                *([memory.device_tier["valid"]] if "valid" in memory.device_tier else [])]
+
+    def prepare_step(self, memory, rows: int) -> None:
+        for buf in self._host_buffers(memory):
+            buf.reserve(rows)
+        if host_length(memory) % self.config.page_size == 0:
+            for buf in self._page_buffers(memory):
+                buf.reserve(1)
+
+    @torch.no_grad()
+    def append_on_device(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``append`` of one row at the position the device's row count holds: the row into the host tier, the
+        newest page's bounds widened by it (or a page opened with it), the counts advanced; all on the device."""
+        dev, host, ps = memory.device_tier, memory.host_tier, self.config.page_size
+        at = self._row_count(memory)
+        host["keys"].write_at(key, at)
+        host["values"].write_at(value, at)
+        if "valid" in dev:
+            dev["valid"].write_at(torch.ones(key.shape[0], 1, 1, 1, dtype=torch.bool, device=key.device), at)
+        page = at // ps
+        opens = at % ps == 0  # the last page is full: the row opens a page of its own
+        fresh = opens if "page_valid" not in dev else opens | ~dev["page_valid"].data.index_select(2, page)
+        for name, widen in (("page_min", torch.minimum), ("page_max", torch.maximum)):
+            bound = dev[name].data
+            bound.index_copy_(2, page, torch.where(fresh, key, widen(bound.index_select(2, page), key)))
+        if "page_valid" in dev:
+            dev["page_valid"].data.index_fill_(2, page, True)
+        dev["page_min"].length_tensor().add_(opens.long())
+        at.add_(1)
+
+    def appended(self, memory, rows: int) -> None:
+        opens = host_length(memory) % self.config.page_size == 0
+        for buf in self._host_buffers(memory):
+            buf.note_written(rows, from_gpu=True)
+        if opens:
+            for buf in self._page_buffers(memory):
+                buf.note_written(1, from_gpu=True)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         width = self._fixed_pages(memory, query)
@@ -211,9 +265,7 @@ class Quest(RecallableMethod):
         page_min, page_max = dev["page_min"].data[:, :, :width], dev["page_max"].data[:, :, :width]
         kv_heads = page_min.shape[1]
         pages = dev["page_min"].length_tensor()
-        if ROW_COUNT not in memory.meta:  # the rows' count on the device from now on (index_append keeps it)
-            memory.meta[ROW_COUNT] = torch.full((1,), host_length(memory), dtype=torch.long, device=pages.device)
-        rows_held = memory.meta[ROW_COUNT]
+        rows_held = self._row_count(memory)
 
         def vote(block: torch.Tensor) -> torch.Tensor:
             bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)

@@ -312,12 +312,24 @@ class KVMethod:
         raise NotImplementedError
 
     def graph_key(self, memory: Memory, query: torch.Tensor) -> Hashable | None:
-        """A key of everything this step's ``select`` depends on in Python (sizes, budgets, which path it takes),
-        when the step is one a CUDA graph can replay: fixed shapes, no value read back to the host, the state it
-        hands the next step kept in place; None (the default): run it as it is every step. The runtime captures
-        the step once its key repeats and replays it while the key and the tiers' buffers stay
-        (``zoomkv.memory.graphs``)."""
+        """Asked before a decode step's ``append``: a key of everything the step (``append_on_device``, then
+        ``select``) depends on in Python (sizes, budgets, which path it takes), when it is one a CUDA graph can
+        replay: fixed shapes, no value read back to the host, positions and the state it hands the next step kept
+        on the device; None (the default): ``append`` and ``select`` run as they are. The runtime captures the step
+        once its key repeats and replays it while the key and the tiers' buffers stay (``zoomkv.memory.graphs``)."""
         return None
+
+    def prepare_step(self, memory: Memory, rows: int) -> None:
+        """Before a step with a ``graph_key``: room for ``rows`` more rows in every buffer the step writes (a buffer
+        that grows is a new one: the step is captured again)."""
+
+    def append_on_device(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``append``'s work on tensors alone, at positions read on the device (a step with a ``graph_key``)."""
+        raise NotImplementedError(f"{self.name} has no graph_key, so no append on the device")
+
+    def appended(self, memory: Memory, rows: int) -> None:
+        """``append``'s Python side after ``append_on_device`` (or its replay): the buffers' lengths."""
+        raise NotImplementedError(f"{self.name} has no graph_key, so no append on the device")
 
     def extend(self, memory: Memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the rows of a multi-token input that arrives after compression (a follow-up question, the

@@ -720,22 +720,64 @@ class SeKV(RecallableMethod):
                 memory.meta["summary_slot"] = True
         return plan
 
-    def _fixed_rows(self, memory, query: torch.Tensor) -> int | None:
+    def _fixed_rows(self, memory, query: torch.Tensor, coming: int = 0) -> int | None:
         """The allocated rows a step of fixed shapes scores, where steps are captured in CUDA graphs on the query's
-        device (``graphs.capturable``) and this layer's can be: the torch path, host rows stored as they are,
-        more rows than stage one keeps. None elsewhere: the step scores the filled rows."""
+        device (``graphs.capturable``) and this layer's can be: the torch path, host rows stored as they are or
+        coded row by row, more rows than stage one keeps (``coming``: rows this step appends still). None
+        elsewhere: the step scores the filled rows."""
         dev, budget = memory.device_tier, memory.meta.get("budget")
         if budget is None or "codes" not in dev or not graphs.capturable(query) or native.usable(query) \
-                or memory.meta["low_rank"] or memory.meta.get("exact_anchors"):
+                or memory.meta["low_rank"] or memory.meta.get("exact_anchors") \
+                or not all(buf.writes_at for buf in self._appended_buffers(memory)):
             return None
-        n = host_length(memory)
+        n = host_length(memory) + coming
         if n <= budget - self.config.summary_row or n < self._stage_one(budget):
             return None
         return min(buf.capacity for name, buf in dev.items() if name in ("codes", "code_rms", "valid"))
 
     def graph_key(self, memory, query: torch.Tensor) -> tuple | None:
-        width = self._fixed_rows(memory, query)
+        width = self._fixed_rows(memory, query, coming=query.shape[2])
         return None if width is None else (width, memory.meta["budget"], misses_only(memory))
+
+    @staticmethod
+    def _appended_buffers(memory) -> list:
+        """Every buffer a decode step appends a row to, the codes' first (their ``length_tensor`` is the count)."""
+        dev, host = memory.device_tier, memory.host_tier
+        names = [(dev, "codes"), (dev, "code_rms"), (dev, "valid"), (host, "keys"), (host, "values"),
+                 (host, "fine_codes"), (host, "fine_rms")]
+        return [tier[name] for tier, name in names if name in tier]
+
+    def prepare_step(self, memory, rows: int) -> None:
+        for buf in self._appended_buffers(memory):
+            buf.reserve(rows)
+
+    @torch.no_grad()
+    def append_on_device(self, memory, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``append`` at the position the codes' ``length_tensor`` holds: the step's rows coded and written into
+        every buffer there, the summary row's sums taken, the count advanced; all on the device."""
+        dev, host, c = memory.device_tier, memory.host_tier, self.config
+        at = dev["codes"].length_tensor()
+        fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
+        centred = key.float() - dev["code_mean"]
+        hashed = "hash_key" in dev
+        rotated = torch.matmul(centred, dev["code_rotation"]) if fine_bits or not hashed else None
+        codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1) if hashed else encode(rotated, c.code_bits)
+        written = {"codes": codes, "code_rms": rms, "keys": key, "values": value}
+        if fine_bits:
+            written["fine_codes"], written["fine_rms"] = encode(rotated, fine_bits)
+        if "valid" in dev:
+            written["valid"] = torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device)
+        for tier in (dev, host):
+            for name, rows in written.items():
+                if name in tier:
+                    tier[name].write_at(rows, at)
+        if c.summary_row:
+            append_tail(memory, key, value, prefix=TAIL)
+        at.add_(key.shape[2])
+
+    def appended(self, memory, rows: int) -> None:
+        for buf in self._appended_buffers(memory):
+            buf.note_written(rows, from_gpu=True)
 
     def select_rows(self, memory, query: torch.Tensor) -> Selection:
         n = host_length(memory)
