@@ -363,11 +363,13 @@ def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
     greedy tokens of the compiled CPU step."""
     from zoomkv.methods.sekv.method import SeKV
     from zoomkv.methods.sekv.modules import SeKVAdapter
+    from zoomkv.protocol.shape import ModelShape
 
     cfg = tiny.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     torch.manual_seed(0)
-    adapter = SeKVAdapter(cfg.num_hidden_layers, cfg.num_key_value_heads, d, hash_bits=8)
+    layers = len(ModelShape.from_config(cfg).full_attention_layers)  # the layers sekv compresses (not sliding ones)
+    adapter = SeKVAdapter(layers, cfg.num_key_value_heads, d, hash_bits=8)
     with torch.no_grad():
         adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
         adapter.hash_query.mul_(1.5)
