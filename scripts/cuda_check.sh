@@ -8,16 +8,19 @@
 #
 # PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), every (the same reading every
 # recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the rows not already held),
-# chunked (the same, prefilled 4K tokens at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with phases and host syncs), train
+# chunked (the same, prefilled 4K tokens at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with
+# phases and host syncs), graphs (16K x 1 with the decode steps uncaptured, ZOOMKV_CUDA_GRAPHS=0, beside hf), train
 # (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the
 # SmolLM2 shape at 8K, batch 4).
 # SMOLLM2_DIR must hold SmolLM2's config.json and tokenizer files (default: the converted cache that
 # `zoomkv models` / `make demo` writes). The 8B shape reuses that tokenizer: only its vocabulary size matters
 # for timing. Each part has a timeout (TEST_TIMEOUT, LONG_TIMEOUT, CHUNKED_TIMEOUT, FIT_TIMEOUT, PROFILE_TIMEOUT,
-# TRAIN_TIMEOUT, SMALL_TIMEOUT, EVERY_TIMEOUT) inside the device tool's 600 s per command.
+# TRAIN_TIMEOUT, SMALL_TIMEOUT, EVERY_TIMEOUT, GRAPHS_TIMEOUT) inside the device tool's 600 s per command.
+# The warm-ups run 4,608-token prompts: past sekv's stage one at B=1024 (4,092 candidates), where its step takes
+# fixed shapes and is captured in a CUDA graph, so its kernels compile before the timed runs.
 set -uo pipefail
 out=${1:-${OUT:-cuda-check}}
-parts=${2:-tests,long,every,chunked,fit,profile,train,small}
+parts=${2:-tests,long,every,chunked,fit,profile,graphs,train,small}
 mkdir -p "$out"
 src=${SMOLLM2_DIR:-$HOME/.cache/zoomkv/models/smollm2-135m}
 py=${PYTHON:-python3}
@@ -53,20 +56,19 @@ bench() {  # name, seconds, then zoomkv bench arguments
     | grep -v "Warning\|warn(" | tee -a "$out/$name.md"
 }
 # 32K tokens x 8 sequences, one-shot prefill (sekv's layers wait for the surprisal in pinned host memory, so its
-# CUDA peak shows what the prompt's KV leaving the device buys). The warm-up runs 2K-token prompts (past B, so the
-# selection's kernels compile before timing).
+# CUDA peak shows what the prompt's KV leaving the device buys).
 has long && bench llama8b_32k_b8 "${LONG_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 \
-  --methods full,sekv,quest --budgets 1024 --new-tokens 16 --repeats 1 --warmup-length 2048
+  --methods full,sekv,quest --budgets 1024 --new-tokens 16 --repeats 1 --warmup-length 4608
 # The recall reading every row it asks for at each step (before: only the rows its buffer does not hold), with
 # its own `full` for the ratio.
 has every && ZOOMKV_RECALL_MISSES=0 bench llama8b_32k_b8_every_row "${EVERY_TIMEOUT:-200}" --model \
   "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 --methods full,sekv,quest --budgets 1024 --new-tokens 16 \
-  --repeats 1 --warmup-length 2048 --no-hf
+  --repeats 1 --warmup-length 4608 --no-hf
 # The same prompts prefilled 4K tokens at a time: each chunk attends to the rows its method selects (scored a block
 # of positions at a time), so the CUDA peak is the weights, the compressed layers and one chunk's activations
 # (the GPU issue's target: weights + 25% of full KV).
 has chunked && bench llama8b_32k_b8_chunked "${CHUNKED_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 \
-  --batch-size 8 --methods sekv,quest --budgets 1024 --new-tokens 8 --repeats 1 --warmup-length 2048 \
+  --batch-size 8 --methods sekv,quest --budgets 1024 --new-tokens 8 --repeats 1 --warmup-length 4608 \
   --prefill-chunk 4096 --no-hf
 # A batch whose full KV does not fit the GPU (32 x 32K tokens: 137 GB of bf16 KV beside 16 GB of weights): hf and
 # full run out of device memory (their rows say so); sekv, prefilled in 4K pieces with its host tier at 8-bit keys
@@ -75,7 +77,11 @@ has fit && bench llama8b_32k_b32_fit "${FIT_TIMEOUT:-300}" --model "$shapes/llam
   --batch-size 32 --methods full,sekv+k8v4 --budgets 1024 --new-tokens 8 --repeats 1 --no-warmup --prefill-chunk 4096
 has profile && bench llama8b_16k_profile "${PROFILE_TIMEOUT:-200}" --model "$shapes/llama-3.1-8b" --length 16384 \
   --methods full,sekv,quest,clusterkv,oracle_topk,streamingllm --budgets 1024 --new-tokens 32 --repeats 2 \
-  --warmup-length 2048 --profile --sync-audit
+  --warmup-length 4608 --profile --sync-audit
+# The same step uncaptured (each layer's append and selection launched op by op): what the graphs buy.
+has graphs && ZOOMKV_CUDA_GRAPHS=0 bench llama8b_16k_uncaptured "${GRAPHS_TIMEOUT:-200}" --model \
+  "$shapes/llama-3.1-8b" --length 16384 --methods full,sekv,quest --budgets 1024 --new-tokens 32 --repeats 2 \
+  --warmup-length 4608
 if has train; then  # steps/s: the step lines carry the seconds since the first step
   echo "== zoomkv train (quickstart recipe, SmolLM2 shape, random weights, bf16)" | tee "$out/train.md"
   timeout "${TRAIN_TIMEOUT:-150}" $py -m zoomkv.train --recipe recipes/smollm2-135m/quickstart.yaml \
@@ -84,5 +90,5 @@ if has train; then  # steps/s: the step lines carry the seconds since the first 
     | grep -E "step [0-9]+:|process|adapter saved|Error" | tee -a "$out/train.md"
 fi
 has small && bench smollm2_8k_b4 "${SMALL_TIMEOUT:-120}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
-  --methods full,sekv,quest,clusterkv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --warmup-length 2048
+  --methods full,sekv,quest,clusterkv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --warmup-length 4608
 exit 0
