@@ -236,6 +236,39 @@ def test_a_row_appended_asynchronously_is_recalled_by_the_next_step():
     assert torch.equal(buf.view(), rows.cpu())
 
 
+@pytest.mark.parametrize("fmt", [None, "k8v4"])
+def test_rows_written_at_a_count_on_the_gpu_land_in_pinned_memory(fmt):
+    """``write_at``: a step's row written into pinned host memory by the gather kernel at the position a device
+    count holds (what a captured step replays), read back by the next step's kernel and by the host; a per-token
+    coded buffer codes it on the GPU and writes each part so."""
+    from zoomkv.memory.quant import QuantizedRowBuffer, QuantSpec
+    from zoomkv.memory.tiers import RowBuffer
+
+    _cuda_only()
+    rows = torch.randn(2, 4, 40, 64, device=DEVICE)
+    if fmt is None:
+        buf = RowBuffer.with_room(rows[:, :, :8].cpu(), 64, pinned=True)
+    else:
+        buf = QuantizedRowBuffer(rows[:, :, :8].cpu(), QuantSpec.parse(fmt).for_rows("keys", 0), pinned=True)
+    reference = QuantizedRowBuffer(rows[:, :, :8].cpu(), QuantSpec.parse(fmt).for_rows("keys", 0)) if fmt else None
+    at = torch.full((1,), 8, dtype=torch.long, device=DEVICE)
+    for i in range(8, 40):
+        buf.reserve(1)
+        buf.write_at(rows[:, :, i : i + 1], at)
+        at.add_(1)
+        buf.note_written(1, from_gpu=True)
+        idx = torch.full((2, 4, 1), i, device=DEVICE)
+        got = buf.gather(idx)[:, :, 0]
+        if reference is None:
+            assert torch.equal(got.cpu(), rows[:, :, i].cpu())
+        else:
+            reference.append(rows[:, :, i : i + 1].cpu())
+            assert torch.equal(got.cpu(), reference.view()[:, :, i])
+    assert buf.length == 40
+    if reference is None:
+        assert torch.equal(buf.view(), rows.cpu())
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_score_codes_on_the_gpu_matches_the_byte_tables(bits, monkeypatch):
     from zoomkv.kernels import codes as kernel_codes

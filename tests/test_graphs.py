@@ -70,6 +70,32 @@ def _hashed(config) -> SeKV:
     return SeKV(adapter=adapter)
 
 
+@pytest.mark.parametrize("fmt", [None, "k8v4", "int4"])
+def test_rows_written_at_a_count_are_the_rows_appended(fmt):
+    """``write_at`` (the append a graph replays: its position read from a tensor) holds what ``append`` holds, for
+    rows stored as they are and coded row by row (tests/test_cuda.py: into pinned memory from a GPU)."""
+    from zoomkv.memory.quant import QuantizedRowBuffer, QuantSpec
+
+    rows = torch.randn(2, 4, 40, 64, generator=torch.Generator().manual_seed(0))
+
+    def made() -> RowBuffer:
+        if fmt is None:
+            return RowBuffer.with_room(rows[:, :, :8], 4)
+        return QuantizedRowBuffer(rows[:, :, :8], QuantSpec.parse(fmt).for_rows("keys", 0))
+
+    written, appended = made(), made()
+    assert written.writes_at
+    at = torch.full((1,), 8, dtype=torch.long)
+    for i in range(8, 40):
+        written.reserve(1)
+        written.write_at(rows[:, :, i : i + 1], at)
+        at.add_(1)
+        written.note_written(1, from_gpu=False)
+        appended.append(rows[:, :, i : i + 1])
+        assert torch.equal(written.gather(torch.full((2, 4, 1), i))[:, :, 0], appended.view()[:, :, i])
+    assert written.length == appended.length == 40 and torch.equal(written.view(), appended.view())
+
+
 SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
     "codes-rescoring": (lambda config: get_method("sekv"), None, (400, 290), 24),
     "quickstart-shape": (lambda config: get_method("sekv", rescore_from="host"), "k8v4", (400, 290), 24),
