@@ -107,17 +107,19 @@ def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tenso
     """A decode step on a compressed layer: ``method.append`` the new rows, then ``method.select``; replayed from a
     captured graph where the method's step allows one (its ``graph_key``), the Python side of the append
     (``appended``) run every step."""
-    key_of = method.graph_key(memory, query) if capturable(query) and not memory.meta.get(FAILED) else None
+    rows = key.shape[2]
+    key_of = None
+    if capturable(query) and not memory.meta.get(FAILED):
+        method.prepare_step(memory, rows)  # room for the rows first: a buffer that grows is a new layout
+        key_of = method.graph_key(memory, query)
     if key_of is None:
         memory.meta.pop(GRAPH, None)
         with phase("append"):
             method.append(memory, key, value)
         with phase("select"):
             return method.select(memory, query)
-    rows = key.shape[2]
-    method.prepare_step(memory, rows)  # a buffer that grows now changes the layout: a new key
-    step_key = (method.graph_key(memory, query), tuple(key.shape), tuple(value.shape), tuple(query.shape),
-                query.dtype, key.dtype, tier_layout(memory))
+    step_key = (key_of, tuple(key.shape), tuple(value.shape), tuple(query.shape), query.dtype, key.dtype,
+                tier_layout(memory))
     graph = memory.meta.get(GRAPH)
     live = enabled(query)
     if live and graph is not None and graph.key == step_key:

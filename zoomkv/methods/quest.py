@@ -184,6 +184,8 @@ class Quest(RecallableMethod):
                 *([memory.device_tier["valid"]] if "valid" in memory.device_tier else [])]
 
     def prepare_step(self, memory, rows: int) -> None:
+        if is_dense(memory):
+            return
         for buf in self._host_buffers(memory):
             buf.reserve(rows)
         if host_length(memory) % self.config.page_size == 0:

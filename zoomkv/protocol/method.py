@@ -312,7 +312,7 @@ class KVMethod:
         raise NotImplementedError
 
     def graph_key(self, memory: Memory, query: torch.Tensor) -> Hashable | None:
-        """Asked before a decode step's ``append``: a key of everything the step (``append_on_device``, then
+        """Asked before a decode step's ``append`` (after ``prepare_step``), where steps are captured: a key of everything the step (``append_on_device``, then
         ``select``) depends on in Python (sizes, budgets, which path it takes), when it is one a CUDA graph can
         replay: fixed shapes, no value read back to the host, positions and the state it hands the next step kept
         on the device; None (the default): ``append`` and ``select`` run as they are. The runtime captures the step
@@ -320,8 +320,9 @@ class KVMethod:
         return None
 
     def prepare_step(self, memory: Memory, rows: int) -> None:
-        """Before a step with a ``graph_key``: room for ``rows`` more rows in every buffer the step writes (a buffer
-        that grows is a new one: the step is captured again)."""
+        """Before ``graph_key``, at each decode step where steps are captured (``zoomkv.memory.graphs.capturable``):
+        room for ``rows`` more rows in every buffer the step writes (a buffer that grows is a new one: the step is
+        captured again). Default: nothing."""
 
     def append_on_device(self, memory: Memory, key: torch.Tensor, value: torch.Tensor) -> None:
         """``append``'s work on tensors alone, at positions read on the device (a step with a ``graph_key``)."""
