@@ -175,3 +175,17 @@ def test_nothing_is_captured_where_graphs_are_off_or_a_dispatch_mode_watches(mon
         monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", "0")
         greedy(model, ids, mask, ZoomCache(model, method, 40), new=6)
         assert graphs.counts() == before
+
+
+def test_the_sync_audit_counts_a_replayable_step_as_one_launch():
+    """Under the audit a step runs uncaptured (a dispatch mode would see a replay as nothing), and its launches are
+    counted both ways: as they run (``ops``) and as the one replay a GPU would make (``launches_captured``)."""
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(400, 290))
+    with torch.no_grad(), native.torch_path(), recall_misses_only(True):
+        plain = audit_decode(model, ZoomCache(model, "quest", 40), ids, mask, steps=2)[-1]
+        with graphs.emulated():
+            audit = audit_decode(model, ZoomCache(model, "quest", 40), ids, mask, steps=2)[-1]
+    compressed = model.config.num_hidden_layers - get_method("quest").config.dense_layers
+    assert plain.launches_captured == plain.ops  # nothing replayable where steps are not captured
+    assert audit.ops - audit.launches_captured == audit.in_graphs > 10 * compressed

@@ -164,6 +164,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "decode_tokens_per_s": round(batch * 1000 / decode, 1) if decode > 0 else None,  # every sequence's
             "syncs_per_step": syncs[i][0] if i in syncs else None,  # with --sync-audit: host waits per decode step
             "ops_per_step": syncs[i][1] if i in syncs else None,  # and ops that compute (views left out)
+            # and launches with each step a GPU captures in a CUDA graph counted as its replay (zoomkv.memory.graphs)
+            "launches_per_step_captured": syncs[i][2] if i in syncs else None,
             "device_bytes": mem.device_bytes,
             "host_bytes": mem.host_bytes,
             "full_kv_bytes": mem.full_kv_bytes,
@@ -190,13 +192,13 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         hf = " × hf |" if with_hf else ""
         print("| method | budget | prefill chunk | prefill s | × full |" + hf + " decode ms/token | × full |" + hf
               + " decode tok/s | device MiB | peak device MiB | peak rows | host MiB | full KV MiB |"
-              + (" CUDA peak MiB |" if cuda else "") + (" syncs/step | ops/step |" if audit else ""))
+              + (" CUDA peak MiB |" if cuda else "") + (" syncs/step | ops/step | captured |" if audit else ""))
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_hf else "")
-              + ("---|" if cuda else "") + ("---|---|" if audit else ""))
+              + ("---|" if cuda else "") + ("---|---|---|" if audit else ""))
         for r in rows:
             cells = [r["method"], _cell(r["budget"]), r["prefill_chunk"] or "one-shot"]
             if r["out_of_memory"]:  # nothing measured: one cell says why
-                width = 10 + 2 * with_hf + cuda + 2 * audit
+                width = 10 + 2 * with_hf + cuda + 3 * audit
                 print("| " + " | ".join(map(str, cells + ["out of device memory"] + ["-"] * (width - 1))) + " |")
                 continue
             cells += [_cell(r["prefill_s"], ".3f"), _cell(r["prefill_ratio"], ".2f")]
@@ -206,7 +208,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             cells += [_cell(r["decode_tokens_per_s"]), _mib(r["device_bytes"]), _mib(r["peak_device_bytes"]),
                       r["peak_device_rows"], _mib(r["host_bytes"]), _mib(r["full_kv_bytes"])]
             cells += [_mib(r["cuda_peak_bytes"])] if cuda else []
-            cells += [_cell(r["syncs_per_step"], "g"), _cell(r["ops_per_step"])] if audit else []
+            cells += [_cell(r["syncs_per_step"], "g"), _cell(r["ops_per_step"]),
+                      _cell(r["launches_per_step_captured"])] if audit else []
             print("| " + " | ".join(map(str, cells)) + " |")
         if profiles:
             _print_profile(rows)
@@ -265,10 +268,11 @@ SYNC_AUDIT_STEPS = 4
 
 
 def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None],
-                t0: float, skip: set[int] = frozenset()) -> dict[int, tuple[float, int]]:
+                t0: float, skip: set[int] = frozenset()) -> dict[int, tuple[float, int, int]]:
     """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
-    make the host wait for the device, and the ops that compute (a GPU's kernel launches, about), over
-    ``SYNC_AUDIT_STEPS`` steps after a fresh prefill (zoomkv.memory.sync_audit)."""
+    make the host wait for the device, the ops that compute (a GPU's kernel launches, about), and those launches
+    with each step a GPU captures in a CUDA graph counted as its one replay, over ``SYNC_AUDIT_STEPS`` steps after
+    a fresh prefill (zoomkv.memory.sync_audit)."""
     from transformers import DynamicCache
 
     from zoomkv.generation import encode_prompts
@@ -285,7 +289,8 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
         cache = DynamicCache() if run is None else ZoomCache(model, run.cache, tokenizer=tokenizer)
         audits = audit_decode(model, cache, inputs["input_ids"], inputs["attention_mask"], SYNC_AUDIT_STEPS)
         found[i] = (round(sum(len(a.events) for a in audits) / len(audits), 2),
-                    round(sum(a.ops for a in audits) / len(audits)))
+                    round(sum(a.ops for a in audits) / len(audits)),
+                    round(sum(a.launches_captured for a in audits) / len(audits)))
         _progress(t0, f"sync audit {_name(run)}: " + summarize(audits).replace("\n", "\n    "))
     return found
 

@@ -138,11 +138,13 @@ def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tenso
                 _COUNTS["captures"] += 1
                 memory.meta[GRAPH] = graph
             return sel
-    with phase("append"):
-        method.append_on_device(memory, key, value)
-        method.appended(memory, rows)
-    with phase("select"):
-        sel = method.select(memory, query)
+    mode = _get_current_dispatch_mode()  # the sync audit: the launches a replay would make
+    with mode.replayed() if hasattr(mode, "replayed") else contextlib.nullcontext():
+        with phase("append"):
+            method.append_on_device(memory, key, value)
+            method.appended(memory, rows)
+        with phase("select"):
+            sel = method.select(memory, query)
     # first time at this key: run as it is; a step that made or grew a buffer of its own is captured later
     memory.meta[SEEN] = step_key if tier_layout(memory) == step_key[-1] else None
     return sel

@@ -25,9 +25,11 @@ devices. On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the full check 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +141,7 @@ class SyncAudit(TorchDispatchMode):
         self.raise_on_sync = raise_on_sync
         self.events: list[SyncEvent] = []
         self.ops = 0  # ops that launch a kernel on a GPU: ops that compute (not views, not allocations) and kernels
+        self.in_graphs = 0  # of those, inside steps a GPU replays from a CUDA graph, less one launch each
         self._patched: dict[str, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -188,6 +191,21 @@ class SyncAudit(TorchDispatchMode):
         for name, original in self._patched.items():
             setattr(torch.Tensor, name, original)
         self._patched.clear()
+
+    @property
+    def launches_captured(self) -> int:
+        """``ops`` with every step a GPU captures in a CUDA graph counted as its one replay."""
+        return self.ops - self.in_graphs
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Around a step a GPU would replay from a CUDA graph (``zoomkv.memory.graphs``; under the audit it runs
+        uncaptured): its launches count as one in ``launches_captured``."""
+        ops, launched = self.ops, kernels.launches()
+        try:
+            yield
+        finally:
+            self.in_graphs += self.ops - ops + kernels.launches() - launched - 1
 
     @property
     def clean(self) -> bool:
