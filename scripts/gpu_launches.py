@@ -3,9 +3,9 @@
 At batch 1 a GPU decode step is bound by its launches (docs/performance.md, "On a GPU"). This runs the step the
 GPU runs (the torch path, the recall reading only the rows its buffer misses) with zoomkv's Triton kernels
 under Triton's interpreter, and counts what ``zoomkv bench --sync-audit`` counts on a GPU (``SyncAudit.ops``):
-the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. A selection the GPU
-captures in a CUDA graph with its append (``zoomkv.memory.graphs``: the step has fixed shapes there) is counted twice:
-its launches as the step runs them, and as one launch, its graph's replay (the last column). ``--by-place`` lists the torch ops by
+the torch ops that compute (views, allocations and reshapes left out) and each kernel one launch. A step the GPU captures
+in a CUDA graph (``zoomkv.memory.graphs``: its append and selection in fixed shapes) is counted twice: its launches
+as it runs them, and as one launch, its graph's replay (the last column, ``SyncAudit.launches_captured``). ``--by-place`` lists the torch ops by
 the zoomkv function that issued them.
 
     python scripts/gpu_launches.py --methods full,quest,oracle_topk,sekv,sekv:rescore_from=host:kv_quant=k8v4
@@ -38,7 +38,6 @@ class ByPlace(sync_audit.SyncAudit):
     def __init__(self):
         super().__init__()
         self.places: collections.Counter = collections.Counter()
-        self.in_graphs = 0  # launches inside selections a GPU replays from a CUDA graph, less one each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not kernels.launch_running() and not func.is_view and func._schema.name not in sync_audit.NO_KERNEL:
@@ -52,33 +51,6 @@ def parse(spec: str) -> tuple[str, dict[str, str]]:
     return name, dict(option.split("=", 1) for option in options)
 
 
-class CountedGraphs:
-    """While active, ``graphs.step`` notes in ``audit`` how many launches each step (append and selection) a GPU
-    would replay from a CUDA graph makes as it runs (the audit, a dispatch mode, keeps it from being captured
-    here)."""
-
-    def __init__(self):
-        self.audit: ByPlace | None = None
-
-    def __enter__(self) -> CountedGraphs:
-        self.original = original = graphs.step
-
-        def step(method, memory, key, value, query):
-            audit = self.audit
-            if audit is None or method.graph_key(memory, query) is None:
-                return original(method, memory, key, value, query)
-            ops, launched = audit.ops, kernels.launches()
-            sel = original(method, memory, key, value, query)
-            audit.in_graphs += audit.ops - ops + kernels.launches() - launched - 1
-            return sel
-
-        graphs.step = step
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        graphs.step = self.original
-
-
 @torch.no_grad()
 def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> ByPlace:
     name, options = parse(spec)
@@ -86,8 +58,7 @@ def count(model, ids: torch.Tensor, spec: str, budget: int, steps: int) -> ByPla
     out = model(input_ids=ids, **generate_cache_kwargs(cache), use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     for _ in range(steps):  # the last step is counted: every layer past its first decode step
-        with ByPlace() as audit, CountedGraphs() as captured:
-            captured.audit = audit
+        with ByPlace() as audit:
             out = model(input_ids=token, **generate_cache_kwargs(cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
     return audit
@@ -114,7 +85,7 @@ def main() -> None:
         model_ops = audit.places["the model"]
         cache_ops = audit.ops - model_ops
         print(f"| {spec} | {audit.ops} | {model_ops} | {cache_ops / layers:.0f} | "
-              f"{(cache_ops - audit.in_graphs) / layers:.0f} |")
+              f"{(audit.launches_captured - model_ops) / layers:.0f} |")
         if args.by_place:
             for place, n in [*audit.places.most_common(), ("zoomkv's Triton kernels", audit.ops - audit.places.total())]:
                 print(f"|   {place} | {n} | | |")
