@@ -206,7 +206,7 @@ def tables(out: str, quick: bool) -> list[Table]:
             ["quickstart", "infinigen-profile", "compresskv-profile"]),
         Table("multiturn", "Several questions in turn on one compressed context", [
             f"zoomkv eval --model {MODEL} --methods full,oracle_topk,quest,clusterkv,snapkv,streamingllm --budgets 128 "
-            f"--adapter {K8V4} --tasks niah_multiturn --length 2048 --samples 10 --out {out}/multiturn"],
+            f"--adapter {K8V4} --tasks niah_multiturn --length 2048 --samples 20 --out {out}/multiturn"],
             ["quickstart"]),
         Table("rank", "Rank budgets for the host tier", [
             f"python scripts/host_rank_probe.py {TEACHER} --ranks 16,32,48 --exact-sinks 4",
