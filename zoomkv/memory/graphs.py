@@ -48,11 +48,11 @@ GRAPH, SEEN, FAILED = "step_graph", "step_graph_seen", "step_graph_failed"  # me
 
 _EMULATE = False
 _POOLS: dict[torch.device, Any] = {}
-_COUNTS = {"captures": 0, "replays": 0}
+_COUNTS = {"captures": 0, "replays": 0, "failed": 0}
 
 
 def counts() -> dict[str, int]:
-    """Decode steps captured and replayed so far in this process (captures count the layers' graphs)."""
+    """Decode steps captured, replayed and failed to capture so far in this process (per layer)."""
     return dict(_COUNTS)
 
 
@@ -203,8 +203,10 @@ def capture(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Ten
                 graph.capture_end()
     except Exception as err:  # noqa: BLE001 -- a step that cannot be captured still runs, uncaptured
         memory.meta[FAILED] = True
-        log.warning("layer %s: its decode step cannot be captured in a CUDA graph (%s); it runs uncaptured",
-                    memory.meta.get("layer", "?"), str(err).splitlines()[0] if str(err) else type(err).__name__)
+        if not _COUNTS["failed"]:  # once a process: every layer would say the same
+            log.warning("a decode step cannot be captured in a CUDA graph (%s); such steps run uncaptured",
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+        _COUNTS["failed"] += 1
         return None, None
     finally:
         torch.cuda.current_stream(device).wait_stream(stream)
