@@ -282,6 +282,36 @@ def test_sekv_with_a_coded_host_tier_decodes_the_same_tokens_through_the_kernels
     assert max_logit_diff(fast.scores, ref.scores) < 1e-4  # the same rows, decoded to the same values
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # unfilled rows, masked after
+def test_a_step_in_fixed_shapes_gives_its_torch_paths_tokens_through_the_kernels(interpreter, monkeypatch):
+    """The step a GPU captures in a CUDA graph (zoomkv.memory.graphs: rows written at a position read on the device,
+    every allocated row scored and the unfilled ones masked), run here uncaptured with its kernels: the scoring over
+    rows no token has reached yet, the coding into the buffers, the tail row, the coded host tier read into slots.
+    The greedy tokens and logits of the same step's torch path."""
+    from tests.helpers import greedy, max_logit_diff, padded_batch
+    from zoomkv import ZoomCache, native
+    from zoomkv.kernels import plan as kernel_plan
+    from zoomkv.memory import graphs
+    from zoomkv.models import load_model
+    from zoomkv.protocol.recallable import recall_misses_only
+
+    model, _ = load_model("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(400, 290))  # past sekv's stage one (156 rows)
+    monkeypatch.setattr(kernel_plan, "plan_swaps_fits", lambda idx: False)  # (its kernel: tests/test_recall_misses.py)
+    launched = kernels.launches()
+
+    def run():  # sekv as the quickstart runs it (Quest's step has no kernel on the CPU but the plan's)
+        return greedy(model, ids, mask, ZoomCache(model, "sekv", 40, kv_quant="k8v4", rescore_from="host"), new=6)
+
+    with native.torch_path(), recall_misses_only(True), graphs.emulated(capture=False):
+        fast = run()
+        assert kernels.launches() > launched
+        monkeypatch.setenv("ZOOMKV_TRITON", "0")
+        ref = run()
+    assert torch.equal(fast.sequences, ref.sequences)
+    assert max_logit_diff(fast.scores, ref.scores) < 1e-4
+
+
 def test_score_codes_kernel_tiles_a_long_group(interpreter, monkeypatch):
     """A chunk of new tokens asks with heads x tokens query rows at once: tiled over the grid, not one block."""
     g = torch.Generator().manual_seed(3)

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 GRAPH, SEEN, FAILED = "step_graph", "step_graph_seen", "step_graph_failed"  # memory.meta keys
 
 _EMULATE = False
+_CAPTURE = True
 _POOLS: dict[torch.device, Any] = {}
 _COUNTS = {"captures": 0, "replays": 0, "failed": 0}
 
@@ -57,15 +58,16 @@ def counts() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def emulated(on: bool = True) -> Iterator[None]:
+def emulated(on: bool = True, capture: bool = True) -> Iterator[None]:
     """Capture and replay decode steps on the CPU by tracing (``make_fx``) where a GPU would use CUDA graphs: the
-    tests' stand-in for a graph's replay."""
-    global _EMULATE
-    before, _EMULATE = _EMULATE, on
+    tests' stand-in for a graph's replay (``capture=False``: the steps in the GPU's fixed shapes, run as they are,
+    e.g. with Triton's interpreter, which a trace cannot follow)."""
+    global _EMULATE, _CAPTURE
+    before, _EMULATE, _CAPTURE = (_EMULATE, _CAPTURE), on, capture
     try:
         yield
     finally:
-        _EMULATE = before
+        _EMULATE, _CAPTURE = before
 
 
 def capturable(query: torch.Tensor) -> bool:
@@ -80,7 +82,7 @@ def capturable(query: torch.Tensor) -> bool:
 def enabled(query: torch.Tensor) -> bool:
     """Whether this step is captured or replayed now: ``capturable``, and no phase clock and no
     dispatch mode running (each would see a replay as nothing)."""
-    return capturable(query) and not clock_running() and _get_current_dispatch_mode() is None
+    return capturable(query) and _CAPTURE and not clock_running() and _get_current_dispatch_mode() is None
 
 
 def tier_layout(memory: Memory) -> tuple:
