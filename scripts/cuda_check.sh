@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, in one run (CI has no GPU): the CUDA tests, then decode timings on a
 # Llama-3.1-8B-shaped model with random weights (timing only) against plain transformers (the `hf` row every
 # `zoomkv bench` table carries), sekv (its fresh adapter: a trained one does the same work per step) beside
-# full and the recallable baselines.
+# full and the recallable baselines; last, the GPU issue's targets read from those tables (targets.md).
 #
 #   bash scripts/cuda_check.sh [OUT_DIR] [PARTS]
 #
@@ -91,4 +91,6 @@ if has train; then  # steps/s: the step lines carry the seconds since the first 
 fi
 has small && bench smollm2_8k_b4 "${SMALL_TIMEOUT:-120}" --model "$shapes/smollm2-135m" --length 8000 --batch-size 4 \
   --methods full,sekv,quest,clusterkv,snapkv --budgets 1024 --new-tokens 32 --repeats 2 --warmup-length 4608
+# The targets, each measured or not, from the tables above.
+$py scripts/gpu_targets.py "$out" | tee "$out/targets.md"
 exit 0

@@ -126,3 +126,24 @@ def test_a_configuration_out_of_device_memory_is_a_row_and_the_others_go_on(caps
     monkeypatch.setattr(bench, "generate_text", out_of_memory)
     with pytest.raises(ZoomKVError, match="every configuration ran out"):
         run_bench(_args("--methods", "full,quest", "--budgets", "48"))
+
+
+def test_the_gpu_targets_are_read_from_the_tables_bench_prints(capsys, tmp_path):
+    """scripts/gpu_targets.py reads cuda_check.sh's tables as ``zoomkv bench`` prints them (here a CPU run stands
+    in for the 16K x 1 profile part, its phase table below the first): ratios to ``hf`` and host waits per method,
+    a part not run said so."""
+    import importlib.util
+    from pathlib import Path
+
+    run_bench(_args("--methods", "full,sekv,quest", "--budgets", "48", "--sync-audit", "--profile"))
+    (tmp_path / "llama8b_16k_profile.md").write_text(capsys.readouterr().out, encoding="utf-8")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_targets.py"
+    spec = importlib.util.spec_from_file_location("gpu_targets", path)
+    gpu_targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_targets)
+    found = {target: (measured, verdict) for target, measured, verdict in gpu_targets.targets(tmp_path)}
+    measured, verdict = found["2. `full` <= 1.0x `hf`, 16K x 1"]
+    assert measured.endswith("x `hf`") and verdict in ("met", "not met (limit 1.0)")
+    assert found["4. 0 host waits a step, `sekv`"] == ("0", "met")
+    assert found["4. 0 host waits a step, `clusterkv`"] == ("not measured", "?")  # no row in this table
+    assert found["3. `sekv` <= 0.35x `hf`, 32K x 8"][1] == "?"  # that part's table is missing
