@@ -419,9 +419,10 @@ GRAPH_CASES = {"codes-rescoring": ("sekv", {}, None), "quickstart-shape": ("sekv
                "quest": ("quest", {}, None)}
 
 
+@pytest.mark.parametrize("mode", ["1", "step"])  # whole decoder layers (the default), or the cache's steps alone
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
-def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, monkeypatch):
-    """sekv's and Quest's selection captured in a CUDA graph per layer and replayed: the greedy tokens of the same
+def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mode, monkeypatch):
+    """sekv's and Quest's decode steps captured in CUDA graphs per layer and replayed: the greedy tokens of the same
     model with graphs off (``ZOOMKV_CUDA_GRAPHS=0``: the step as it ran before graphs)."""
     from zoomkv.memory import graphs
 
@@ -433,9 +434,11 @@ def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mon
     def run():
         return greedy(tiny, ids, mask, ZoomCache(tiny, get_method(name, **kwargs), 40, kv_quant=host_format), new=24)
 
+    monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", mode)
     before = graphs.counts()
     captured = run()
     after = graphs.counts()
+    assert (after["layer_captures"] > before["layer_captures"]) == (mode == "1")
     monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", "0")
     plain = run()
     assert after["captures"] > before["captures"] and after["replays"] > before["replays"], (before, after)
@@ -443,9 +446,11 @@ def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mon
     assert max_logit_diff(captured.scores, plain.scores) < 1e-3
 
 
+@pytest.mark.parametrize("mode", ["1", "step"])
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
-def test_captured_steps_never_synchronise_the_device(tiny, case):
-    """The steps that capture and replay the selection, under ``set_sync_debug_mode("error")``."""
+def test_captured_steps_never_synchronise_the_device(tiny, case, mode, monkeypatch):
+    """The steps that capture and replay, under ``set_sync_debug_mode("error")``."""
+    monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", mode)
     name, kwargs, host_format = GRAPH_CASES[case]
     cache = ZoomCache(tiny, get_method(name, **kwargs), 40, kv_quant=host_format)
     _steps_without_a_wait(tiny, cache, lengths=(400, 290), steps=8)

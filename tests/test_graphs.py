@@ -23,12 +23,12 @@ from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods import get_method
 from zoomkv.methods.sekv.method import SeKV
 from zoomkv.methods.sekv.modules import SeKVAdapter
-from zoomkv.protocol.method import Selection
 from zoomkv.protocol.recallable import recall_misses_only
+from zoomkv.protocol.shape import ModelShape
 
 
 def _rows_after(step, before: int, after: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's keys captured when the buffer held ``before`` rows, replayed and run as it is at ``after``."""
+    """A step's output captured when the buffer held ``before`` rows, replayed and run as it is at ``after``."""
     buf = RowBuffer.empty_like(1, 1, 16, 1, dtype=torch.float32, device=torch.device("cpu"))
     buf.append(torch.arange(1.0, before + 1)[None, None, :, None])
     buf.length_tensor()
@@ -36,21 +36,19 @@ def _rows_after(step, before: int, after: int) -> tuple[torch.Tensor, torch.Tens
     with graphs.emulated():
         graph, _ = graphs.capture("key", lambda q: step(buf, q), (query,), memory=None)
     buf.append(torch.arange(before + 1.0, after + 1)[None, None, :, None])
-    return graph.replay(query).keys, step(buf, query).keys
+    return graph.replay(query)[0], step(buf, query)[0]
 
 
 def test_a_replay_holds_the_python_values_of_its_capture_as_a_cuda_graph_does():
     """The emulation is faithful where it matters: a length read in Python is baked into the capture (the replay
     sums the rows of the capture's step), a count read on the device is not."""
 
-    def by_length(buf: RowBuffer, q: torch.Tensor) -> Selection:
-        total = buf.view().sum(2, keepdim=True) * q
-        return Selection(total, total)
+    def by_length(buf: RowBuffer, q: torch.Tensor) -> tuple[torch.Tensor]:
+        return (buf.view().sum(2, keepdim=True) * q,)
 
-    def by_count(buf: RowBuffer, q: torch.Tensor) -> Selection:
+    def by_count(buf: RowBuffer, q: torch.Tensor) -> tuple[torch.Tensor]:
         live = torch.arange(buf.capacity) < buf.length_tensor()
-        total = torch.where(live[None, None, :, None], buf.data, 0.0).sum(2, keepdim=True) * q
-        return Selection(total, total)
+        return (torch.where(live[None, None, :, None], buf.data, 0.0).sum(2, keepdim=True) * q,)
 
     buf = RowBuffer.empty_like(1, 1, 16, 1, dtype=torch.float32, device=torch.device("cpu"))
     buf.data.fill_(float("nan"))  # what an unfilled row may hold: a step of fixed shapes masks it out
@@ -58,16 +56,6 @@ def test_a_replay_holds_the_python_values_of_its_capture_as_a_cuda_graph_does():
     assert baked.item() == 6.0 and eager.item() == 15.0
     replayed, eager = _rows_after(by_count, 3, 5)
     assert replayed.item() == eager.item() == 15.0
-
-
-def _hashed(config) -> SeKV:
-    """sekv with a trained hash index's shape (8 sign bits a KV head), its projections nudged off their start."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    torch.manual_seed(0)
-    adapter = SeKVAdapter(config.num_hidden_layers, config.num_key_value_heads, d, hash_bits=8)
-    with torch.no_grad():
-        adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
-    return SeKV(adapter=adapter)
 
 
 @pytest.mark.parametrize("fmt", [None, "k8v4", "int4"])
@@ -96,6 +84,16 @@ def test_rows_written_at_a_count_are_the_rows_appended(fmt):
     assert written.length == appended.length == 40 and torch.equal(written.view(), appended.view())
 
 
+def _hashed(config) -> SeKV:
+    """sekv with a trained hash index's shape (8 sign bits a KV head), its projections nudged off their start."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    adapter = SeKVAdapter(config.num_hidden_layers, config.num_key_value_heads, d, hash_bits=8)
+    with torch.no_grad():
+        adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
+    return SeKV(adapter=adapter)
+
+
 SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
     "codes-rescoring": (lambda config: get_method("sekv"), None, (400, 290), 24),
     "quickstart-shape": (lambda config: get_method("sekv", rescore_from="host"), "k8v4", (400, 290), 24),
@@ -113,8 +111,10 @@ QUEST_CASES = {  # name: (prompt lengths, steps, ZoomCache options, reading only
 }
 
 
+@pytest.mark.parametrize("mode", ["1", "step"])  # whole decoder layers captured (the default), or the cache's steps
 @pytest.mark.parametrize("case", list(SEKV_CASES))
-def test_sekvs_replayed_step_computes_what_its_step_computes(case):
+def test_sekvs_replayed_step_computes_what_its_step_computes(case, mode, monkeypatch):
+    monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", mode)
     make, host_format, lengths, steps = SEKV_CASES[case]
     model, _ = load_tiny("tiny-llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
@@ -126,8 +126,9 @@ def test_sekvs_replayed_step_computes_what_its_step_computes(case):
     replayed, eager, counts = _replayed_and_eager(run, misses_only=True)
     assert torch.equal(replayed.sequences, eager.sequences)
     assert max_logit_diff(replayed.scores, eager.scores) <= 1e-5
-    # every layer captured once (twice across the growth); every step after its capture a replay
+    # every layer captured once (twice across the growth), whole or its cache step; every step after a replay
     assert counts["captures"] == (2 if case == "growth" else 1) * layers, counts
+    assert counts["layer_captures"] == (counts["captures"] if mode == "1" else 0), counts
     assert counts["replays"] >= (steps - 7) * layers, counts
 
 
@@ -143,15 +144,17 @@ def _replayed_and_eager(run, misses_only: bool):
     return replayed, eager, counts
 
 
+@pytest.mark.parametrize("model_name", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("case", list(QUEST_CASES))
-def test_quests_replayed_step_computes_what_its_step_computes(case):
+def test_quests_replayed_step_computes_what_its_step_computes(case, model_name):
     """Quest in fixed shapes: every allocated page scored, those past the page count out, always ``k`` pages of
     rows (the newest page's unfilled slots name rows of a page not chosen, masked): the same tokens, and the
     logits of recalling the filled rows alone within float rounding."""
     lengths, steps, options, misses = QUEST_CASES[case]
-    model, _ = load_tiny("tiny-llama")
+    model, _ = load_tiny(model_name)  # (Gemma 3: sliding layers beside the compressed ones, run as they are)
     ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
-    compressed = model.config.num_hidden_layers - get_method("quest").config.dense_layers
+    dense = get_method("quest").config.dense_layers  # Quest keeps its first layers whole
+    compressed = sum(i >= dense for i in ModelShape.from_config(model.config).full_attention_layers)
 
     def run():
         return greedy(model, ids, mask, ZoomCache(model, "quest", 64, **options), new=steps)

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from zoomkv import compat
 from zoomkv.budget import Budget
 from zoomkv.errors import ConfigError, ZoomKVError
-from zoomkv.memory import speculation
+from zoomkv.memory import graphs, speculation
 from zoomkv.memory.attention import ATTENTION_NAME, finish_prefill, mark_active
 from zoomkv.memory.diagnostics import SelectionProbe
 from zoomkv.memory.layer import LayerMemory
@@ -293,7 +293,23 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
             if hasattr(module, "q_proj") and hasattr(module, "layer_idx") and hasattr(module, "head_dim"):
                 module.register_forward_pre_hook(_capture_attention_input, with_kwargs=True)
         model._zoomkv_attention_hooked = True
+    if not getattr(model, "_zoomkv_layers_hooked", False):
+        for module in model.modules():  # decoder layers: their decode step may replay from a CUDA graph
+            attention = getattr(module, "self_attn", None)
+            if isinstance(getattr(attention, "layer_idx", None), int) and "forward" not in module.__dict__:
+                module.forward = functools.partial(_decoder_layer, module.forward, attention.layer_idx)
+        model._zoomkv_layers_hooked = True
     return model
+
+
+def _decoder_layer(forward: Any, layer_idx: int, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward: a compressed layer's decode step goes through ``graphs.layer`` (one CUDA graph
+    where it can be), everything else as it was."""
+    cache = getattr(_running, "cache", None)
+    memory = cache.zoom_layer(layer_idx) if cache is not None else None
+    if memory is None or not memory.compressed or hidden_states.shape[1] != 1 or layer_idx in cache.pending:
+        return forward(hidden_states, *args, **kwargs)
+    return graphs.layer(cache, memory, forward, hidden_states, args, kwargs)
 
 
 def _capture_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

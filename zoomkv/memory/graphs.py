@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,15 +46,18 @@ from zoomkv.protocol.phases import clock_running, phase
 log = logging.getLogger(__name__)
 
 GRAPH, SEEN, FAILED = "step_graph", "step_graph_seen", "step_graph_failed"  # memory.meta keys
+LAYER_GRAPH, LAYER_SEEN = "layer_graph", "layer_graph_seen"
 
 _EMULATE = False
 _CAPTURE = True
+_IN_LAYER = threading.local()  # a whole decoder layer is run or captured around this step: it runs as it is
 _POOLS: dict[torch.device, Any] = {}
-_COUNTS = {"captures": 0, "replays": 0, "failed": 0}
+_COUNTS = {"captures": 0, "replays": 0, "failed": 0, "layer_captures": 0}
 
 
 def counts() -> dict[str, int]:
-    """Decode steps captured, replayed and failed to capture so far in this process (per layer)."""
+    """Decode steps captured, replayed and failed to capture so far in this process (per layer; ``layer_captures``:
+    of the captures, whole decoder layers)."""
     return dict(_COUNTS)
 
 
@@ -74,9 +78,15 @@ def capturable(query: torch.Tensor) -> bool:
     """Whether steps on ``query``'s device are captured: on CUDA (or the CPU under ``emulated()``), graphs not
     turned off. A method runs its step of fixed shapes wherever this holds, captured or not, so a step computes the
     same whether it is replayed, captured or run as it is (under ``--profile`` or the sync audit)."""
-    if os.environ.get("ZOOMKV_CUDA_GRAPHS", "1") == "0":
+    if _mode() == "0":
         return False
     return query.is_cuda or (_EMULATE and query.device.type == "cpu")
+
+
+def _mode() -> str:
+    """``ZOOMKV_CUDA_GRAPHS``: ``1`` (the default) whole decoder layers where they can be, else each layer's
+    cache step; ``step``: the cache steps alone; ``0``: nothing captured, no fixed shapes."""
+    return os.environ.get("ZOOMKV_CUDA_GRAPHS", "1")
 
 
 def enabled(query: torch.Tensor) -> bool:
@@ -99,10 +109,11 @@ def tier_layout(memory: Memory) -> tuple:
 
 @dataclass
 class StepGraph:
-    """One layer's captured decode step: ``replay(key, value, query)`` runs it on this step's rows and query."""
+    """One layer's captured decode step: ``replay(*inputs)`` runs it on this step's inputs (the cache step's key,
+    value and query, its selection out; or the decoder layer's hidden states and rotary tables, its output)."""
 
     key: Hashable
-    replay: Callable[..., Selection]  # (key, value, query) of this step -> its selection
+    replay: Callable[..., Any]
 
 
 def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> Selection:
@@ -123,7 +134,7 @@ def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tenso
     step_key = (key_of, tuple(key.shape), tuple(value.shape), tuple(query.shape), query.dtype, key.dtype,
                 tier_layout(memory))
     graph = memory.meta.get(GRAPH)
-    live = enabled(query)
+    live = enabled(query) and not getattr(_IN_LAYER, "on", False)  # (a layer's capture holds this step)
     if live and graph is not None and graph.key == step_key:
         _COUNTS["replays"] += 1
         sel = graph.replay(key, value, query)
@@ -132,16 +143,16 @@ def step(method: KVMethod, memory: Memory, key: torch.Tensor, value: torch.Tenso
     memory.meta.pop(GRAPH, None)
     if live and memory.meta.get(SEEN) == step_key:
         # Second time at this key (kernels built, buffers settled): captured, and this step is the capture's run.
-        graph, sel = capture(step_key, lambda k, v, q: _device_step(method, memory, k, v, q), (key, value, query),
-                             memory)
+        graph, sel = _capture_selection(step_key, lambda k, v, q: _device_step(method, memory, k, v, q),
+                                        (key, value, query), memory)
         if graph is not None:
             method.appended(memory, rows)
             if tier_layout(memory) == step_key[-1]:
                 _COUNTS["captures"] += 1
                 memory.meta[GRAPH] = graph
             return sel
-    mode = _get_current_dispatch_mode()  # the sync audit: the launches a replay would make
-    with mode.replayed() if hasattr(mode, "replayed") else contextlib.nullcontext():
+    mode = None if getattr(_IN_LAYER, "on", False) else _get_current_dispatch_mode()  # the sync audit: the
+    with mode.replayed() if hasattr(mode, "replayed") else contextlib.nullcontext():  # launches a replay makes
         with phase("append"):
             method.append_on_device(memory, key, value)
             method.appended(memory, rows)
@@ -158,6 +169,64 @@ def _device_step(method: KVMethod, memory: Memory, key: torch.Tensor, value: tor
     return method.select(memory, query)
 
 
+def layer(cache: Any, memory: Memory, forward: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple,
+          kwargs: dict[str, Any]) -> torch.Tensor:
+    """A decoder layer's decode step (``forward(hidden, *args, **kwargs)``: its norms, projections, attention through
+    the cache, and MLP) replayed from one CUDA graph where its cache step can be (the method's ``graph_key``): the
+    model's own launches go too, which at batch 1 are most of a step. Its inputs are the hidden states and the
+    rotary tables (``position_embeddings``); what else the model hands it each step (the attention mask, the
+    positions) a compressed layer's attention does not read. The Python side of the step runs at every replay:
+    the cache layer's count of tokens (transformers' ``update``) and the method's ``appended``."""
+    method = cache.method
+    pos = kwargs.get("position_embeddings")
+    if _mode() != "1" or args or not capturable(hidden) or memory.meta.get(FAILED) or cache.probe is not None \
+            or not (isinstance(pos, tuple) and all(isinstance(t, torch.Tensor) for t in pos)):
+        return forward(hidden, *args, **kwargs)
+    method.prepare_step(memory, 1)
+    key_of = method.graph_key(memory, hidden.new_empty(hidden.shape[0], 1, hidden.shape[1], 1))  # (a query's shape)
+    if key_of is None:
+        return forward(hidden, *args, **kwargs)
+    if not enabled(hidden):  # a phase clock or the sync audit: run as it is (the audit counts it one launch)
+        mode = _get_current_dispatch_mode()
+        with mode.replayed() if hasattr(mode, "replayed") else contextlib.nullcontext(), _inside_layer():
+            return forward(hidden, *args, **kwargs)
+    layer_key = (key_of, tuple(hidden.shape), hidden.dtype, *(tuple(t.shape) for t in pos), tier_layout(memory))
+    graph = memory.meta.get(LAYER_GRAPH)
+    if graph is not None and graph.key == layer_key:
+        _COUNTS["replays"] += 1
+        out = graph.replay(hidden, *pos)[0]
+        memory.seen += hidden.shape[1]  # what the layer's cache update counts when it runs
+        method.appended(memory, hidden.shape[1])
+        return out
+    memory.meta.pop(LAYER_GRAPH, None)
+
+    def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        return (forward(h, **{**kwargs, "position_embeddings": (cos, sin)}),)
+
+    with _inside_layer():
+        if memory.meta.get(LAYER_SEEN) == layer_key:  # second time at this key: captured; this step its run
+            graph, out = capture(layer_key, run, (hidden, *pos), memory)
+            if graph is not None:
+                if tier_layout(memory) == layer_key[-1]:
+                    _COUNTS["captures"] += 1
+                    _COUNTS["layer_captures"] += 1
+                    memory.meta[LAYER_GRAPH] = graph
+                return out[0]
+        out = run(hidden, *pos)[0]
+    memory.meta[LAYER_SEEN] = layer_key if tier_layout(memory) == layer_key[-1] else None
+    return out
+
+
+@contextlib.contextmanager
+def _inside_layer() -> Iterator[None]:
+    """The cache step runs as it is inside a decoder layer run or captured whole (``layer``)."""
+    before, _IN_LAYER.on = getattr(_IN_LAYER, "on", False), True
+    try:
+        yield
+    finally:
+        _IN_LAYER.on = before
+
+
 def _flat(sel: Selection) -> tuple[torch.Tensor, ...]:
     return (sel.keys, sel.values) if sel.bias is None else (sel.keys, sel.values, sel.bias)
 
@@ -166,32 +235,45 @@ def _selection(out: tuple[torch.Tensor, ...], use_model_mask: bool) -> Selection
     return Selection(out[0], out[1], out[2] if len(out) > 2 else None, use_model_mask)
 
 
-def capture(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Tensor, ...],
-            memory: Memory) -> tuple[StepGraph | None, Selection | None]:
-    """``fn(*inputs)`` captured on copies of ``inputs`` (a CUDA graph; a ``make_fx`` trace under ``emulated()``) and
-    run once: the graph and this step's result. (None, None) where the capture failed: nothing of it ran, and the
-    layer runs uncaptured from now on (said once in the log)."""
+def _capture_selection(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Tensor, ...],
+                       memory: Memory) -> tuple[StepGraph | None, Selection | None]:
+    """``capture`` of a step that returns a ``Selection``."""
+    masks: list[bool] = []
+
+    def flat(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        sel = fn(*args)
+        masks.append(sel.use_model_mask)
+        return _flat(sel)
+
+    graph, out = capture(key, flat, inputs, memory)
+    if graph is None:
+        return None, None
+    mask = masks[0]
+    return StepGraph(key, lambda *args: _selection(graph.replay(*args), mask)), _selection(out, mask)
+
+
+def capture(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
+            memory: Memory) -> tuple[StepGraph | None, tuple[torch.Tensor, ...] | None]:
+    """``fn(*inputs)`` (a tuple of tensors) captured on copies of ``inputs`` (a CUDA graph; a ``make_fx`` trace under
+    ``emulated()``) and run once: the graph and this step's outputs. (None, None) where the capture failed: nothing
+    of it ran, and the layer runs uncaptured from now on (said once in the log)."""
     static = tuple(t.clone() for t in inputs)
     if not inputs[0].is_cuda:  # emulated: a trace holds tensors by reference and bakes Python values in
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        results: list[Selection] = []
+        results: list[tuple[torch.Tensor, ...]] = []
 
         def traced(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            results.append(fn(*args))  # tracing runs the step: this step's result
-            return _flat(results[-1])
+            results.append(tuple(fn(*args)))  # tracing runs the step: this step's outputs
+            return results[-1]
 
         module = make_fx(traced)(*static)
-        mask = results[0].use_model_mask
-
-        def replay_trace(*args: torch.Tensor) -> Selection:
-            return _selection(tuple(module(*args)), mask)
-
-        return StepGraph(key, replay_trace), results[0]
+        return StepGraph(key, lambda *args: tuple(module(*args))), results[0]
     device = inputs[0].device
     if device not in _POOLS:
-        # One memory pool for every layer's graph: a layer's replay overwrites what another's left there, which is
-        # safe because each selection is attended to before the next layer's replays (nothing runs concurrently).
+        # One memory pool for every graph: a layer's replay overwrites what another's left there, which is safe
+        # because each graph's outputs are read before the next graph replays (nothing runs concurrently), and
+        # the outputs themselves stay allocated while their graph lives.
         _POOLS[device] = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device=device)
@@ -200,7 +282,7 @@ def capture(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Ten
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=_POOLS[device])
             try:
-                sel = fn(*static)
+                out = tuple(fn(*static))
             finally:
                 graph.capture_end()
     except Exception as err:  # noqa: BLE001 -- a step that cannot be captured still runs, uncaptured
@@ -212,12 +294,11 @@ def capture(key: Hashable, fn: Callable[..., Selection], inputs: tuple[torch.Ten
         return None, None
     finally:
         torch.cuda.current_stream(device).wait_stream(stream)
-    out, mask = _flat(sel), sel.use_model_mask
 
-    def replay(*args: torch.Tensor) -> Selection:
+    def replay(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for held, now in zip(static, args, strict=True):
             held.copy_(now)
         graph.replay()
-        return _selection(out, mask)
+        return out
 
     return StepGraph(key, replay), replay(*inputs)
