@@ -1,9 +1,11 @@
-"""A decode step as a CUDA graph: captured once per layer, replayed while its shapes hold.
+"""Decode steps as CUDA graphs: captured once per layer, replayed while their shapes hold.
 
-At batch 1 a GPU decode step waits on its launches, not on its bytes: sekv's append and selection are some fifty
-small kernels a layer (coding the new row and writing it to both tiers, scoring, vote, top-k, rescoring, the
-recall's plan and reads, the summary row), each a few microseconds of the host's time, where the rows they read
-take less. Replayed as one CUDA graph, a compressed layer's step is one launch.
+At batch 1 a GPU decode step waits on its launches, not on its bytes: a decoder layer is some forty small kernels
+of the model's own (norms, projections, rotary, MLP) and, with sekv, some fifty more of the cache's (coding the new
+row and writing it to both tiers, scoring, vote, top-k, rescoring, the recall's plan and reads, the summary row),
+each a few microseconds of the host's time, where the bytes they read take less. Replayed as one CUDA graph, a
+compressed layer's decode step is one launch (``layer``, the default; ``ZOOMKV_CUDA_GRAPHS=step`` captures the
+cache's step alone, ``step``, inside the layer's attention).
 
 A graph replays the kernels it captured with the arguments they had then, so what it captures must not change
 from step to step in Python: no value read back to the host (the sync audit holds every method to that), fixed
@@ -18,8 +20,8 @@ a key, captures it the second time and replays it from the third. A new key (a b
 starts over; a capture that fails leaves the layer to run uncaptured.
 
 Nothing is captured while a phase clock runs (``--profile`` synchronises inside the step) or under a dispatch
-mode (the sync audit counts the ops of the step as it runs): the step of fixed shapes then runs as it is, so it
-computes the same. ``ZOOMKV_CUDA_GRAPHS=0`` turns graphs and the fixed shapes off.
+mode (the sync audit counts the ops of the step as it runs, and a captured one as one launch): the step of fixed
+shapes then runs as it is, so it computes the same. ``ZOOMKV_CUDA_GRAPHS=0`` turns graphs and the fixed shapes off.
 
 On the CPU, ``emulated()`` stands in for tests: the step is traced with torch.fx's ``make_fx``, which holds the
 tier tensors by reference and bakes every Python value into the trace, as a CUDA graph holds addresses and
