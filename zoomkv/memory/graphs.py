@@ -275,14 +275,15 @@ def capture(key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: 
     if device not in _POOLS:
         # One memory pool for every graph: a layer's replay overwrites what another's left there, which is safe
         # because each graph's outputs are read before the next graph replays (nothing runs concurrently), and
-        # the outputs themselves stay allocated while their graph lives.
-        _POOLS[device] = torch.cuda.graph_pool_handle()
+        # the outputs themselves stay allocated while their graph lives. One side stream to capture on, as
+        # torch.cuda.graph keeps one (cuBLAS sets up its workspace for a stream once).
+        _POOLS[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
+    pool, stream = _POOLS[device]
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=_POOLS[device])
+            graph.capture_begin(pool=pool)
             try:
                 out = tuple(fn(*static))
             finally:
