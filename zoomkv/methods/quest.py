@@ -235,16 +235,7 @@ class Quest(RecallableMethod):
         # does the page granularity apply. n > budget ≥ k·ps guarantees k < pages.
         if n > budget:
             k = budget // ps
-            page_max, largest = memory.device_tier["page_max"].view(), self.config.group_score == "max"
-
-            def vote(block: torch.Tensor) -> torch.Tensor:  # [b, h, P] from a block of the query's positions
-                bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)  # [b, h, g·q, P]
-                return bound.amax(dim=2) if largest else bound.sum(dim=2)
-
-            score = summed_over_queries(vote, query, pages, largest=largest)
-            if "page_valid" in memory.device_tier:
-                live = memory.device_tier["page_valid"].view()[:, :, :, 0]  # [b, 1, P]
-                score = score.masked_fill(~live, float("-inf"))
+            score = self._page_scores(memory, query)
             score[..., -1] = float("inf")  # the current page is always attended
             # Sorted: rows keep sequence order, and the (possibly partial) newest page comes last.
             chosen = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, h, k]
@@ -256,6 +247,26 @@ class Quest(RecallableMethod):
         bias = padding_bias(host_valid(memory), idx, kv_heads, query.dtype, query.device)
         return Selection(rk, rv, bias)
 
+    def _page_scores(self, memory, query: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """``[b, h, P]``: each page's upper bound of the group's logits (summed over the query's positions, or their
+        maximum), ``-inf`` on pages of padding only; of the filled pages, or of the first ``width`` allocated."""
+        dev, largest = memory.device_tier, self.config.group_score == "max"
+
+        def pages_of(name: str) -> torch.Tensor:
+            return dev[name].view() if width is None else dev[name].data[:, :, :width]
+
+        page_min, page_max = pages_of("page_min"), pages_of("page_max")
+        kv_heads = page_min.shape[1]
+
+        def vote(block: torch.Tensor) -> torch.Tensor:  # [b, h, P] from a block of the query's positions
+            bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)  # [b, h, g·q, P]
+            return bound.amax(dim=2) if largest else bound.sum(dim=2)
+
+        score = summed_over_queries(vote, query, page_min.shape[2], largest=largest)
+        if "page_valid" in dev:
+            score = score.masked_fill(~pages_of("page_valid")[:, :, :, 0], float("-inf"))
+        return score
+
     def _select_fixed(self, memory, query: torch.Tensor, width: int) -> Selection:
         """``select_rows`` in fixed shapes: the first ``width`` allocated pages scored, those past the page count
         (read on the device) out, and always ``k`` pages of rows recalled. The newest page's unfilled slots name
@@ -263,19 +274,10 @@ class Quest(RecallableMethod):
         attention is that of the selected rows alone."""
         dev, ps = memory.device_tier, self.config.page_size
         keys, values = memory.host_tier["keys"], memory.host_tier["values"]
-        k, largest = memory.meta["budget"] // ps, self.config.group_score == "max"
-        page_min, page_max = dev["page_min"].data[:, :, :width], dev["page_max"].data[:, :, :width]
-        kv_heads = page_min.shape[1]
+        k, kv_heads = memory.meta["budget"] // ps, dev["page_min"].data.shape[1]
         pages = dev["page_min"].length_tensor()
         rows_held = self._row_count(memory)
-
-        def vote(block: torch.Tensor) -> torch.Tensor:
-            bound = page_upper_bound(group_query(block, kv_heads), page_min, page_max)
-            return bound.amax(dim=2) if largest else bound.sum(dim=2)
-
-        score = summed_over_queries(vote, query, width, largest=largest)
-        if "page_valid" in dev:
-            score = score.masked_fill(~dev["page_valid"].data[:, :, :width, 0], float("-inf"))
+        score = self._page_scores(memory, query, width)
         at = torch.arange(width, device=pages.device)
         score = score.masked_fill(at == pages - 1, float("inf"))  # the current page is always attended
         # Pages past the count rank below padding pages: k + 1 live pages always exist (n > budget >= k·ps).

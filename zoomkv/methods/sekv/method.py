@@ -533,17 +533,11 @@ class SeKV(RecallableMethod):
             append_host_rows(memory, key, value)
         dev, c = memory.device_tier, self.config
         fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
-        if "hash_key" in dev:  # the trained hash's signs; the second stage's finer codes of the rotated key
-            centred = key.float() - dev["code_mean"]
-            codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1)
-            fine, fine_rms = encode(torch.matmul(centred, dev["code_rotation"]), fine_bits) if fine_bits else (None, None)
-        elif native.usable(key):  # both code widths in one compiled pass
+        if "hash_key" not in dev and native.usable(key):  # both code widths in one compiled pass
             codes, rms, fine, fine_rms = native.encode(key, dev["code_mean"], dev["code_rotation"], c.code_bits,
                                                        fine_bits)
         else:
-            rotated = torch.matmul(key.float() - dev["code_mean"], dev["code_rotation"])
-            codes, rms = encode(rotated, c.code_bits)
-            fine, fine_rms = encode(rotated, fine_bits) if fine_bits else (None, None)
+            codes, rms, fine, fine_rms = self._coded_rows(memory, key, fine_bits)
         dev["codes"].append(codes)
         dev["code_rms"].append(rms)
         if fine_bits:
@@ -551,6 +545,20 @@ class SeKV(RecallableMethod):
             memory.host_tier["fine_rms"].append(fine_rms)
         if self.config.summary_row:
             append_tail(memory, key, value, prefix=TAIL)
+
+    def _coded_rows(self, memory, key: torch.Tensor, fine_bits: int) -> tuple:
+        """New rows ``key`` coded by torch ops (by the encode kernel on a GPU): the index's codes and RMS, and
+        with ``fine_bits`` the second stage's finer codes of the rotated key (else None, None)."""
+        dev = memory.device_tier
+        centred = key.float() - dev["code_mean"]
+        if "hash_key" in dev:  # the trained hash's signs
+            codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1)
+            rotated = torch.matmul(centred, dev["code_rotation"]) if fine_bits else None
+        else:
+            rotated = torch.matmul(centred, dev["code_rotation"])
+            codes, rms = encode(rotated, self.config.code_bits)
+        fine, fine_rms = encode(rotated, fine_bits) if fine_bits else (None, None)
+        return codes, rms, fine, fine_rms
 
     def extend(self, memory, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.append(memory, keys, values)  # one code per row, all at once: the same as one by one
@@ -758,13 +766,10 @@ class SeKV(RecallableMethod):
         dev, host, c = memory.device_tier, memory.host_tier, self.config
         at = dev["codes"].length_tensor()
         fine_bits = c.rescore_bits if c.rescore_from == "codes" else 0
-        centred = key.float() - dev["code_mean"]
-        hashed = "hash_key" in dev
-        rotated = torch.matmul(centred, dev["code_rotation"]) if fine_bits or not hashed else None
-        codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1) if hashed else encode(rotated, c.code_bits)
+        codes, rms, fine, fine_rms = self._coded_rows(memory, key, fine_bits)
         written = {"codes": codes, "code_rms": rms, "keys": key, "values": value}
         if fine_bits:
-            written["fine_codes"], written["fine_rms"] = encode(rotated, fine_bits)
+            written["fine_codes"], written["fine_rms"] = fine, fine_rms
         if "valid" in dev:
             written["valid"] = torch.ones(key.shape[0], 1, key.shape[2], 1, dtype=torch.bool, device=key.device)
         for tier in (dev, host):
