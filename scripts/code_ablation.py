@@ -21,7 +21,12 @@ Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
   trained hash starts from);
 - ``pca-B``: the signs of the sequence's own top-``B`` principal directions of the centred keys, whitened (each
   coordinate scaled to unit variance; the query side carries the scale back), per KV head;
-- ``trained-B`` / the adapter's name: an adapter's trained hash (``hash_bits``: its key and query projections).
+- ``qfit-B``: no training, this prompt's own statistics: the directions closest to the query-key product under the
+  second moments of the context's queries (every position but the last 64: the question and the answer's start)
+  and of its centred keys, ``B`` bits spread over them at 4, 2 and 1 bits a coordinate by their weight
+  (``zoomkv.methods.sekv.hashing.fit_layout``: the fit a ``hash_width: 4`` adapter makes on its training cache);
+- ``trained-B`` / the adapter's name: an adapter's trained hash (``hash_bits``: its key and query projections; with
+  ``hash_width`` above one, its layout of 4-, 2- and 1-bit coordinates).
 
     python scripts/code_ablation.py --length 4096 --samples 20 --adapter checkpoints/sekv-hash32/adapter \\
         --out runs/code-ablation-4k
@@ -44,12 +49,15 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zoomkv.methods.sekv.codes import decode, encode, rotation  # noqa: E402
+from zoomkv.methods.sekv.codes import decode, decode_layout, encode, encode_layout, rotation  # noqa: E402
+from zoomkv.methods.sekv.hashing import fit_layout  # noqa: E402
+
+QUESTION = 64  # the prompt's last positions left out of the context's query moment (qfit)
 
 
 def extract(model, ids: torch.Tensor, queries: int) -> dict[str, torch.Tensor]:
-    """Per layer: post-RoPE keys ``[h, T, d]`` (fp16), the last ``queries`` positions' queries ``[hq, Q, d]`` and
-    the teacher's attention there ``[hq, Q, T]``."""
+    """Per layer: post-RoPE keys ``[h, T, d]`` (fp16), the last ``queries`` positions' queries ``[hq, Q, d]``, the
+    teacher's attention there ``[hq, Q, T]``, and the context's query moment per KV head ``[h, d, d]`` (qfit)."""
     from zoomkv.memory.replay import record_prefill
 
     with torch.inference_mode():
@@ -66,6 +74,9 @@ def extract(model, ids: torch.Tensor, queries: int) -> dict[str, torch.Tensor]:
         out[f"q.{layer}"] = q.contiguous()
         out[f"attn.{layer}"] = torch.softmax(logits, -1).half()
         out["scaling"] = torch.tensor(ctx.scaling)
+        context = ctx.queries[0][:, : t - QUESTION].double()
+        context = context.reshape(k.shape[0], -1, context.shape[-1])  # a KV head's group: its query heads' rows
+        out[f"qm.{layer}"] = (context.transpose(-1, -2) @ context / context.shape[1]).float().contiguous()
     return out
 
 
@@ -122,17 +133,36 @@ def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict) -> tu
         sd = var[..., -b:].flip(-1).clamp_min(1e-12).sqrt().float()[:, None, :]
         return top / sd, top * sd
     adapter = adapters[kind]
-    return adapter.hash_key[layer].detach(), adapter.hash_query[layer].detach()
+    used = sum(adapter.hash_layout[layer])  # the layer's projections (a mixed layout leaves the rest unused)
+    return adapter.hash_key[layer, ..., :used].detach(), adapter.hash_query[layer, ..., :used].detach()
 
 
-def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, adapters: dict) -> torch.Tensor:
+def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, adapters: dict,
+              query_moment: torch.Tensor | None = None) -> torch.Tensor:
     """``[h, g, Q, n]`` estimated logits (before scaling) of every row for every query from the coding's codes."""
     h, n, d = keys.shape
     if kind == "exact":  # the keys themselves: exact top-B, the selection's upper bound (oracle_topk)
         return torch.matmul(queries.view(h, -1, d), keys.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
+    if kind.startswith("qfit-"):
+        if query_moment is None:
+            raise SystemExit("qfit needs the context's query moment: this teacher cache predates it (delete its "
+                             "folder, --out/teacher, to extract it again)")
+        bits = int(kind.partition("-")[2])
+        x = keys - keys.mean(1, keepdim=True)
+        pk, pq, (layout,) = fit_layout(query_moment.double()[None], (x.transpose(-1, -2) @ x / n).double()[None],
+                                       bits, 4, min(d, bits))
+        used = sum(layout)
+        rows = decode_layout(*encode_layout(torch.matmul(x, pk[0, ..., :used]), layout), layout)
+        q = torch.matmul(queries.view(h, -1, d), pq[0, ..., :used])
+        return torch.matmul(q, rows.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
     pk, pq = projections(kind, layer, keys, adapters)
     x = torch.matmul(keys - keys.mean(1, keepdim=True), pk)  # [h, n, b]
-    rows = decode(*encode(x, 1), 1)
+    adapter = adapters.get(kind)
+    if adapter is not None and getattr(adapter, "hash_bits", 0):
+        layout = adapter.hash_layout[layer]
+        rows = decode_layout(*encode_layout(x, layout), layout)
+    else:
+        rows = decode(*encode(x, 1), 1)
     q = torch.matmul(queries.view(h, -1, d), pq)  # [h, g·Q, b]
     return torch.matmul(q, rows.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
 
@@ -177,7 +207,7 @@ def evaluate(paths, kinds: list[str], adapters: dict, args) -> dict:
             exact = (exact * scaling).view(h, -1, count, n)
             seen = [n - (count - 1 - j) for j in range(count)]  # the rows query j reads (causal)
             for kind in kinds:
-                est = estimates(kind, pos, keys, queries, adapters) * scaling  # [h, g, Q, n]
+                est = estimates(kind, pos, keys, queries, adapters, tensors.get(f"qm.{layer}")) * scaling
                 got = [selection_scores(est[:, :, j, :upto], attn[:, :, j, :upto], args.budget, args.sinks,
                                         args.recent, args.candidates, exact[:, :, j, :upto])
                        for j, upto in enumerate(seen)]
@@ -246,7 +276,7 @@ def main() -> None:
     d = next(v for k, v in probe.items() if k.startswith("k.")).shape[-1]
     bits["sign"], bits["exact"] = d, 16 * d  # exact: the fp16 key (no index bytes: it reads the host rows)
     for b in (int(x) for x in args.bits.split(",") if x):
-        for name in ("simhash", "orth", "pca"):
+        for name in ("simhash", "orth", "pca", "qfit"):
             kinds.append(f"{name}-{b}")
             bits[f"{name}-{b}"] = b
     for path in args.adapter:

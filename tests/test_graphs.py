@@ -84,11 +84,14 @@ def test_rows_written_at_a_count_are_the_rows_appended(fmt):
     assert written.length == appended.length == 40 and torch.equal(written.view(), appended.view())
 
 
-def _hashed(config) -> SeKV:
-    """sekv with a trained hash index's shape (8 sign bits a KV head), its projections nudged off their start."""
+def _hashed(config, width: int = 1) -> SeKV:
+    """sekv with a trained hash index's shape (8 sign bits a KV head; ``width`` 4: 4, 2 and 1-bit coordinates), its
+    projections nudged off their start."""
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     torch.manual_seed(0)
-    adapter = SeKVAdapter(config.num_hidden_layers, config.num_key_value_heads, d, hash_bits=8)
+    layout = [[0, 4, 0] if i % 2 else [2, 0, 0] for i in range(config.num_hidden_layers)] if width > 1 else None
+    adapter = SeKVAdapter(config.num_hidden_layers, config.num_key_value_heads, d, hash_bits=8, hash_width=width,
+                          hash_layout=layout)
     with torch.no_grad():
         adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
     return SeKV(adapter=adapter)
@@ -98,6 +101,7 @@ SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
     "codes-rescoring": (lambda config: get_method("sekv"), None, (400, 290), 24),
     "quickstart-shape": (lambda config: get_method("sekv", rescore_from="host"), "k8v4", (400, 290), 24),
     "trained-hash": (_hashed, None, (400, 290), 16),
+    "mixed-widths": (lambda config: _hashed(config, width=4), None, (400, 290), 16),
     # the short sequence holds fewer real rows than stage one's 156 candidates: padding fills its picks
     "short-sequence": (lambda config: get_method("sekv", rescore_from="host"), None, (400, 100), 16),
     # 140 steps: the codes' buffer grows (128 rows past the prompt), so every layer is captured again

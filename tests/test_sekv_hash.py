@@ -178,9 +178,11 @@ def test_the_ablation_script_ranks_every_coding(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     save_file(tensors, str(path))
-    adapters = {"trained:x": SeKVAdapter(model.config.num_hidden_layers, model.config.num_key_value_heads,
-                                         model.config.hidden_size // model.config.num_attention_heads, hash_bits=8)}
-    kinds = ["sign", "simhash-8", "orth-8", "pca-8", "trained:x"]
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads,
+             model.config.hidden_size // model.config.num_attention_heads)
+    adapters = {"trained:x": SeKVAdapter(*shape, hash_bits=8),
+                "trained:w": SeKVAdapter(*shape, hash_bits=8, hash_width=4, hash_layout=[[2, 0, 0]] * shape[0])}
+    kinds = ["sign", "simhash-8", "orth-8", "pca-8", "qfit-8", "trained:x", "trained:w"]
     args = type("A", (), {"budget": 48, "sinks": 4, "recent": 16, "candidates": 4.0})()
     result = code_ablation.evaluate([("t", 0, path)], kinds, adapters, args)
     for kind in kinds:
@@ -231,3 +233,138 @@ def test_the_candidates_loss_pulls_a_missed_row_into_the_candidates():
     loss.backward()
     assert inside.grad[..., 2].abs() < 1e-3 < missed.grad[..., 2].abs()
     assert missed.grad[..., 2] < 0 and loss > 1.0  # gradient descent raises the missed row's estimate
+
+
+# -- hash_width: projections at 4, 2 and 1 bits (a layout per layer) ------------------------------------------------
+def test_a_mixed_layout_packs_whole_bytes_and_scores_what_it_decodes():
+    """``(n4, n2, n1)`` = (2, 8, 8): 32 bits in 4 bytes, one RMS over the 18 coordinates; each group quantized as
+    ``encode`` quantizes at its width; the byte-table score is the query's dot product with the decoded row; at all
+    ones, exactly ``encode(x, 1)``."""
+    from zoomkv.methods.sekv.codes import (
+        decode_layout,
+        encode,
+        encode_layout,
+        layout_bits,
+        levels,
+        quantize,
+        score_layout,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, H, 50, 32, generator=g) * torch.linspace(3, 0.2, 32)
+    layout = (2, 8, 8)
+    codes, rms = encode_layout(x, layout)
+    assert codes.shape == (2, H, 50, 4) and layout_bits(layout) == 32
+    rows = decode_layout(codes, rms, layout)
+    assert rows.shape == (2, H, 50, 18)
+    used = x[..., :18]
+    torch.testing.assert_close(rms.float(), used.pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-3, atol=1e-4)
+    for a, b, bits in ((0, 2, 4), (2, 10, 2), (10, 18, 1)):  # each group: its width's levels of the shared RMS
+        got = rows[..., a:b] / rms.float()
+        assert (got[..., None] - levels(bits)).abs().amin(-1).max() < 1e-3
+        z = used[..., a:b] / used.pow(2).mean(-1, keepdim=True).sqrt()
+        assert torch.equal(quantize(z, bits), (got[..., None] - levels(bits)).abs().argmin(-1))
+    err4 = (rows[..., :2] - used[..., :2]).pow(2).mean() / used[..., :2].pow(2).mean()
+    err1 = (rows[..., 10:] - used[..., 10:]).pow(2).mean() / used[..., 10:].pow(2).mean()
+    assert err4 < 0.05 < err1  # 4 bits keep a coordinate far better than a sign
+    query = torch.randn(2, H, 4, 32, generator=g)
+    torch.testing.assert_close(score_layout(query, codes, rms, layout), query[..., :18] @ rows.transpose(-1, -2),
+                               rtol=1e-4, atol=1e-4)
+    ones = encode_layout(x, (0, 0, 32))
+    assert torch.equal(ones[0], encode(x, 1)[0]) and torch.equal(ones[1], encode(x, 1)[1])
+
+
+def test_the_widths_go_where_the_logit_weighs():
+    """``allocate``: directions of equal weight take a bit each; a few strong ones take 4 or 2 bits (reverse
+    water-filling), never wider than ``width``, always ``bits`` in whole bytes a width, at the least weighted
+    error of every such layout."""
+    from zoomkv.methods.sekv.hashing import _DISTORTION, allocate
+
+    assert allocate([1.0] * 32, 32, 4) == (0, 0, 32)
+    steep = [2.0 ** -j for j in range(32)]
+    n4, n2, n1 = allocate(steep, 32, 4)
+    assert n4 > 0 and 4 * n4 + 2 * n2 + n1 == 32 and n4 % 2 == n2 % 4 == n1 % 8 == 0
+    assert allocate(steep, 32, 2)[0] == 0 and allocate(steep, 32, 1) == (0, 0, 32)
+
+    def cost(layout):
+        widths = [4] * layout[0] + [2] * layout[1] + [1] * layout[2]
+        return sum(w * _DISTORTION[b] for w, b in zip(steep, widths + [0] * (32 - len(widths)), strict=True))
+
+    every = [(a, b, 32 - 4 * a - 2 * b) for a in range(0, 9, 2) for b in range(0, 17, 4)
+             if 32 - 4 * a - 2 * b >= 0 and (32 - 4 * a - 2 * b) % 8 == 0]
+    assert cost((n4, n2, n1)) == min(cost(v) for v in every)
+
+
+@pytest.mark.parametrize("layout,match", [
+    ([[2, 8, 8]], "one \\[n4, n2, n1\\] for each"),
+    ([[2, 8, 8], [2, 8, 4]], "whole bytes"),
+    ([[2, 8, 8], [0, 8, 8]], "not 32 bits"),
+    ([[2, 8, 8], [2, "8", 8]], "is not \\[n4, n2, n1\\]"),
+    ([[2, 8, 8], [4, 12, -8]], "is not \\[n4, n2, n1\\]"),
+])
+def test_a_bad_recorded_layout_is_one_line(layout, match):
+    with pytest.raises(ConfigError, match=match):
+        SeKVAdapter(2, H, 64, hash_bits=32, hash_width=4, hash_layout=layout)
+    with pytest.raises(ConfigError, match="hash_width"):
+        SeKVAdapter(2, H, 64, hash_bits=32, hash_width=3)
+    with pytest.raises(ConfigError, match="at most 2 bits"):
+        SeKVAdapter(2, H, 64, hash_bits=32, hash_width=2, hash_layout=[[2, 8, 8]] * 2)
+
+
+def _mixed(config, seed: int = 0) -> SeKVAdapter:
+    adapter = _hashed(config, 64, 32, seed)
+    layers = config.num_hidden_layers
+    mixed = SeKVAdapter(layers, H, 64, hash_bits=32, hash_width=4,
+                        hash_layout=[[2, 8, 8] if i % 2 else [4, 4, 8] for i in range(layers)])
+    mixed.load_state_dict(adapter.state_dict())
+    return mixed
+
+
+def test_the_step_scores_a_mixed_layout_from_its_bytes(config):
+    """A row's device codes are 4 bytes at 32 bits whatever the layout; the router's score of every row is the
+    query's projections against the decoded codes (the compiled CPU step does not read mixed widths: the torch
+    path runs), rows appended after the prefill coded alike, and the step picks rows."""
+    from zoomkv.methods.sekv.codes import decode_layout
+
+    adapter = _mixed(config)
+    method = SeKV(adapter=adapter)
+    memory, g = _memory(config, method, t=300, budget=48, seed=2, batch=2, d=64)
+    method.append(memory, torch.randn(2, H, 2, 64, generator=g), torch.randn(2, H, 2, 64, generator=g))
+    dev = memory.device_tier
+    layout = memory.meta["hash_layout"]
+    assert dev["codes"].view().shape == (2, H, 302, 4) and dev["hash_key"].shape[-1] == sum(layout)
+    query = torch.randn(2, H * G, 1, 64, generator=g)
+    hashed = torch.matmul(query.view(2, H, G, 64), dev["hash_query"])
+    rows = decode_layout(dev["codes"].view(), dev["code_rms"].view(), layout)
+    expected = torch.matmul(hashed, rows.transpose(-1, -2)) * memory.meta["scaling"]
+    got = method.router_scores(memory, query)
+    anchors = dev["anchor_pos"].clamp_min(0)  # anchors keep the rotated key's finer codes
+    keep = torch.ones_like(got, dtype=torch.bool).scatter(-1, anchors[:, None, None, :].expand(-1, H, G, -1), False)
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-4, atol=1e-4)
+    selection = method.select_rows(memory, query)
+    assert selection.keys.shape[2] == 48
+
+
+def test_a_recipe_fits_trains_and_records_a_mixed_layout(tmp_path):
+    """``hash_width=4 hash_init=fit``: the fit allocates each layer's widths from the teacher cache, the steps train
+    the projections through the quantizer, the adapter records width and layout, loads them back, and a layout
+    that does not add up is one line at load; the width without the fit is refused in the recipe."""
+    from zoomkv.adapters.model import ZoomAdapter
+    from zoomkv.cli import run_command
+
+    base = ["--recipe", str(ROOT / "recipes" / "tiny-llama-sekv.yaml"), "hash_bits=16", f"output_dir={tmp_path}",
+            "num_samples=2", "queries_per_sample=2", "steps=3", "layers_per_step=2", "eval_samples=0",
+            "tensorboard=false", "max_trainable_fraction=1", "hash_width=4"]
+    assert run_command("train", [*base, "hash_init=rotation", "--dry-run"], prog="zoomkv train") == 2
+    assert run_command("train", [*base, "hash_init=fit"], prog="zoomkv train") == 0
+    folder = tmp_path / "sekv-tiny" / "adapter"
+    hyper = json.loads((folder / "adapter_config.json").read_text())["hyper"]
+    assert hyper["hash_width"] == 4 and len(hyper["hash_layout"]) == hyper["num_layers"]
+    assert all(4 * a + 2 * b + c == 16 for a, b, c in hyper["hash_layout"])
+    method = ZoomAdapter.from_pretrained(folder).make_method()
+    assert [list(v) for v in method.adapter.hash_layout] == hyper["hash_layout"]
+    data = json.loads((folder / "adapter_config.json").read_text())
+    data["hyper"]["hash_layout"][0] = [2, 0, 0]
+    (folder / "adapter_config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="hash_layout"):
+        ZoomAdapter.from_pretrained(folder)

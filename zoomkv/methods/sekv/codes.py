@@ -66,6 +66,14 @@ def quantize(z: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.floor(z.float() / _GAUSS_STEP[bits]).clamp_(-half, half - 1).long() + half
 
 
+def pack(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Code indices ``[..., d]`` → ``[..., d·bits/8]`` uint8, coordinate ``i`` of a byte at bit ``i·bits``."""
+    per_byte = 8 // bits
+    idx = idx.reshape(*idx.shape[:-1], -1, per_byte)
+    shifts = torch.arange(per_byte, device=idx.device) * bits
+    return (idx << shifts).sum(-1).to(torch.uint8)
+
+
 def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Centred, rotated keys ``x`` ``[..., d]`` → ``(codes uint8 [..., d·bits/8], rms fp16 [..., 1])``; on a GPU
     one kernel (``zoomkv.kernels.encode``, held to this)."""
@@ -74,12 +82,7 @@ def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         return kernel_encode.encode_codes(x, bits, _GAUSS_STEP.get(bits, 0.0))
     x = x.float()
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    idx = quantize(x / rms.clamp_min(1e-12), bits)
-    per_byte = 8 // bits
-    idx = idx.reshape(*idx.shape[:-1], -1, per_byte)
-    shifts = torch.arange(per_byte, device=x.device) * bits
-    packed = (idx << shifts).sum(-1).to(torch.uint8)
-    return packed, rms.to(torch.float16)
+    return pack(quantize(x / rms.clamp_min(1e-12), bits), bits), rms.to(torch.float16)
 
 
 @functools.lru_cache(maxsize=16)
@@ -127,6 +130,56 @@ def score_codes(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, bit
     flat = (codes.long() + 256 * torch.arange(nbytes, device=codes.device)).reshape(b, h, 1, n * nbytes)
     parts = table.reshape(b, h, g, nbytes * 256).gather(-1, flat.expand(-1, -1, g, -1))
     return parts.reshape(b, h, g, n, nbytes).sum(-1) * rms.float()[..., 0][:, :, None, :]
+
+
+# -- mixed widths: a trained hash whose projections take 4, 2 or 1 bits each (``hash_width``) ------------------
+# A layout ``(n4, n2, n1)``: the first ``n4`` coordinates at 4 bits, the next ``n2`` at 2, the next ``n1`` at 1 (the
+# strongest directions first), each group packed whole bytes after the one before; one RMS over all of them.
+Layout = tuple[int, int, int]
+LAYOUT_WIDTHS = (4, 2, 1)
+
+
+def layout_groups(layout: Layout) -> list[tuple[int, int, int, int, int]]:
+    """``(first, end)`` coordinates, ``bits``, ``(first, end)`` bytes of each non-empty group, widest first."""
+    out, col, byte = [], 0, 0
+    for count, bits in zip(layout, LAYOUT_WIDTHS, strict=True):
+        if count:
+            size = count * bits // 8
+            out.append((col, col + count, bits, byte, byte + size))
+            col, byte = col + count, byte + size
+    return out
+
+
+def layout_bits(layout: Layout) -> int:
+    """Bits a row (the RMS aside)."""
+    return sum(count * bits for count, bits in zip(layout, LAYOUT_WIDTHS, strict=True))
+
+
+def encode_layout(x: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected keys ``x`` ``[..., m]`` (``m`` ≥ the layout's coordinates) → ``(codes [..., bits/8], rms)``; every
+    coordinate at one bit is ``encode(x, 1)`` exactly (its GPU kernel included)."""
+    used = sum(layout)
+    if layout[0] == layout[1] == 0:
+        return encode(x[..., :used], 1)
+    x = x[..., :used].float()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    z = x / rms.clamp_min(1e-12)
+    parts = [pack(quantize(z[..., a:b], bits), bits) for a, b, bits, _, _ in layout_groups(layout)]
+    return torch.cat(parts, -1), rms.to(torch.float16)
+
+
+def decode_layout(codes: torch.Tensor, rms: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The projected keys the codes stand for: ``[..., bits/8]``, ``[..., 1]`` → ``[..., n4 + n2 + n1]``."""
+    return torch.cat([decode(codes[..., c:e], rms, bits) for _, _, bits, c, e in layout_groups(layout)], -1)
+
+
+def score_layout(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``score_codes`` for a mixed layout: the query's projections ``[b, h, g, m]`` against each group's bytes."""
+    total = None
+    for a, b, bits, c, e in layout_groups(layout):
+        part = score_codes(query[..., a:b].contiguous(), codes[..., c:e], rms, bits)
+        total = part if total is None else total + part
+    return total
 
 
 def code_bytes(dim: int, bits: int) -> int:

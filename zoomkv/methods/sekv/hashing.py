@@ -8,6 +8,12 @@ and the rank-``b`` form closest to it over whitened data is the top ``b`` singul
 sign loses least of alike, and the query projection ``A⁻¹ U_b S_b`` carries the weights: the product estimates
 ``q·k`` up to the signs' loss. The loss then trains both from there. (The untrained alternatives it is measured
 against: ``scripts/code_ablation.py``.)
+
+With ``hash_width`` above one, a coordinate may take 2 or 4 bits: the singular values say how much each direction
+weighs in the logit, and a coordinate quantized at ``w`` bits keeps all but ``D(w)`` of its variance (Max's
+Gaussian quantizers: 0.363, 0.119, 0.0115 at 1, 2 and 4 bits; 1 unkept). ``allocate`` picks the layout
+``(n4, n2, n1)`` of ``b`` bits that loses the least weighted variance, ``Σ s_j² D(w_j)``, the strongest directions at
+the most bits: reverse water-filling, in whole bytes a width.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from collections.abc import Sequence
 import torch
 
 from zoomkv.data.training import Sample
+from zoomkv.methods.sekv.codes import Layout
+
+# the squared error left of a unit-variance Gaussian coordinate quantized at 0, 1, 2 and 4 bits (Max 1960)
+_DISTORTION = {0: 1.0, 1: 0.3634, 2: 0.1188, 4: 0.01154}
 
 RIDGE = 1e-4  # of the mean eigenvalue: a direction no sample varies along must not blow up the inverse
 
@@ -60,3 +70,33 @@ def fit_projections(query_moment: torch.Tensor, key_moment: torch.Tensor, bits: 
     key = b_inv @ vh[..., :bits, :].transpose(-1, -2)
     query = a_inv @ (u[..., :, :bits] * s[..., None, :bits])
     return key.float(), query.float()
+
+
+def allocate(weights: list[float], bits: int, width: int) -> Layout:
+    """A layer's directions' weights (strongest first) → the ``(n4, n2, n1)`` of ``bits`` bits (at most ``width`` a
+    coordinate, whole bytes a width) that leaves the least weighted error."""
+    best: tuple[float, Layout] | None = None
+    for n4 in range(0, (bits // 4 if width >= 4 else 0) + 1, 2):
+        for n2 in range(0, ((bits - 4 * n4) // 2 if width >= 2 else 0) + 1, 4):
+            n1 = bits - 4 * n4 - 2 * n2
+            if n1 % 8 or n4 + n2 + n1 > len(weights):
+                continue
+            widths = [4] * n4 + [2] * n2 + [1] * n1 + [0] * (len(weights) - n4 - n2 - n1)
+            cost = sum(w * _DISTORTION[b] for w, b in zip(weights, widths, strict=True))
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, (n4, n2, n1))
+    if best is None:
+        raise ValueError(f"no layout of {bits} bits over {len(weights)} directions")
+    return best[1]
+
+
+def fit_layout(query_moment: torch.Tensor, key_moment: torch.Tensor, bits: int, width: int,
+               columns: int) -> tuple[torch.Tensor, torch.Tensor, list[Layout]]:
+    """``[L, h, d, d]`` moments → the first ``columns`` projections (strongest first) and each layer's layout, its
+    directions weighted by the squared singular values, each head's normalised to sum 1, averaged over heads."""
+    key, query = fit_projections(query_moment, key_moment, columns)
+    a, _ = _sqrt_and_inverse(query_moment)
+    b, _ = _sqrt_and_inverse(key_moment)
+    s = torch.linalg.svdvals(a @ b)[..., :columns].double() ** 2  # [L, h, columns]
+    weights = (s / s.sum(-1, keepdim=True).clamp_min(1e-30)).mean(1)  # [L, columns]
+    return key, query, [allocate(w.tolist(), bits, width) for w in weights]

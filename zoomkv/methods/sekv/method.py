@@ -49,7 +49,7 @@ from zoomkv.memory.quant import FORMATS_HELP, QuantSpec, is_format, row_buffer
 from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv import native
-from zoomkv.methods.sekv.codes import BITS, encode, rotation, score_codes
+from zoomkv.methods.sekv.codes import BITS, encode, encode_layout, rotation, score_codes, score_layout
 from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
 from zoomkv.protocol import rotary
@@ -81,7 +81,7 @@ class SeKVConfig(MethodConfig):
     sinks: int = field(default=4, metadata={"help": "first tokens always attended exactly (attention sinks)"})
     recent: int = field(default=16, metadata={"help": "newest tokens always attended exactly"})
     code_bits: int = field(default=1, metadata={"help": "bits per key coordinate in the index (1, 2, 4 or 8); an "
-                                                         "adapter's trained hash (hash_bits) is one bit a projection"})
+                                                         "adapter's trained hash (hash_bits) has its own widths"})
     anchor_bits: int = field(
         default=4, metadata={"help": "bits per key coordinate for anchors, the surprising tokens (1, 2, 4 or 8)"}
     )
@@ -320,11 +320,15 @@ class SeKV(RecallableMethod):
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
         rotated = torch.matmul(keys - mean, rot)
-        if self.adapter is not None and self.adapter.hash_bits:  # the trained hash: the index is its signs
-            dev["hash_key"] = self.adapter.hash_key[layer].detach().float().to(keys.device)
-            dev["hash_query"] = self.adapter.hash_query[layer].detach().float().to(keys.device)
-            codes, rms = encode(torch.matmul(keys - mean, dev["hash_key"]), 1)
+        if self.adapter is not None and self.adapter.hash_bits:  # the trained hash: the index is its codes
+            layout = memory.meta["hash_layout"] = self.adapter.hash_layout[layer]
+            used = sum(layout)  # the layer's projections (a mixed layout leaves the rest unused)
+            dev["hash_key"] = self.adapter.hash_key[layer][..., :used].detach().float().contiguous().to(keys.device)
+            dev["hash_query"] = self.adapter.hash_query[layer][..., :used].detach().float().contiguous().to(
+                keys.device)
+            codes, rms = encode_layout(torch.matmul(keys - mean, dev["hash_key"]), layout)
         else:
+            memory.meta.pop("hash_layout", None)
             codes, rms = encode(rotated, c.code_bits)
         dev["codes"], dev["code_rms"] = RowBuffer(codes), RowBuffer(rms)
         if anchors.shape[1]:
@@ -551,8 +555,8 @@ class SeKV(RecallableMethod):
         with ``fine_bits`` the second stage's finer codes of the rotated key (else None, None)."""
         dev = memory.device_tier
         centred = key.float() - dev["code_mean"]
-        if "hash_key" in dev:  # the trained hash's signs
-            codes, rms = encode(torch.matmul(centred, dev["hash_key"]), 1)
+        if "hash_key" in dev:  # the trained hash's codes
+            codes, rms = encode_layout(torch.matmul(centred, dev["hash_key"]), memory.meta["hash_layout"])
             rotated = torch.matmul(centred, dev["code_rotation"]) if fine_bits else None
         else:
             rotated = torch.matmul(centred, dev["code_rotation"])
@@ -581,9 +585,9 @@ class SeKV(RecallableMethod):
         h = dev["code_mean"].shape[1]
         qr = self.rotated_query(memory, query)
         codes, rms = ((buf.view() if width is None else buf.data[:, :, :width]) for buf in (dev["codes"], dev["code_rms"]))
-        if "hash_query" in dev:  # the trained hash: the query's weights on the key's sign bits
+        if "hash_query" in dev:  # the trained hash: the query's weights on the key's codes
             hashed = torch.matmul(group_query(query, h).float(), dev["hash_query"])
-            scores = score_codes(hashed, codes, rms, 1)
+            scores = score_layout(hashed, codes, rms, memory.meta["hash_layout"])
         else:
             scores = score_codes(qr, codes, rms, self.config.code_bits)
         if "anchor_pos" in dev:
@@ -710,6 +714,13 @@ class SeKV(RecallableMethod):
         two_stages = c.rescore_bits or c.rescore_from == "host"
         return self._candidates(budget) if two_stages else budget - c.summary_row
 
+    @staticmethod
+    def _native(memory, query: torch.Tensor) -> bool:
+        """Whether this layer's step runs compiled (``native``): CPU tensors, and an index it reads (a trained hash
+        of mixed widths is scored by torch)."""
+        layout = memory.meta.get("hash_layout")
+        return native.usable(query) and (layout is None or layout[0] == layout[1] == 0)
+
     def _native_layer(self, memory) -> native.NativeLayer:
         """This layer's compiled step (``native.NativeLayer``), laid out once after the prefill."""
         plan = memory.meta.get(NATIVE)
@@ -734,7 +745,7 @@ class SeKV(RecallableMethod):
         coded row by row, more rows than stage one keeps (``coming``: rows this step appends still). None
         elsewhere: the step scores the filled rows."""
         dev, budget = memory.device_tier, memory.meta.get("budget")
-        if budget is None or "codes" not in dev or not graphs.capturable(query) or native.usable(query) \
+        if budget is None or "codes" not in dev or not graphs.capturable(query) or self._native(memory, query) \
                 or memory.meta["low_rank"] or memory.meta.get("exact_anchors") \
                 or not all(buf.writes_at for buf in self._appended_buffers(memory)):
             return None
@@ -791,7 +802,7 @@ class SeKV(RecallableMethod):
         width = self._fixed_rows(memory, query)
         if n > k:
             # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
-            if native.usable(query):
+            if self._native(memory, query):
                 plan = self._native_layer(memory)
                 idx = plan.step(query)
                 if plan.recall:

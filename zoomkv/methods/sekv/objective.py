@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from zoomkv.memory.quant import FORMATS_HELP, is_format
-from zoomkv.methods.sekv.codes import BITS, decode, encode, rotation
-from zoomkv.methods.sekv.hashing import fit_projections, moments
+from zoomkv.methods.sekv.codes import BITS, decode, decode_layout, encode, encode_layout, rotation
+from zoomkv.methods.sekv.hashing import fit_layout, moments
 from zoomkv.methods.sekv.host import truncated
 from zoomkv.methods.sekv.host_bits import fit_host_bits
 from zoomkv.methods.sekv.method import HOST_KEY_BASES, RESCORE_SOURCES, SeKV, SeKVConfig
@@ -65,7 +65,7 @@ class Student:
     anchor: torch.Tensor  # [n] 0/1 in the forward pass, the sigmoid's gradient in the backward pass
     soft_anchor: torch.Tensor  # [n] the sigmoid itself
     rescored: torch.Tensor | None  # [h, n, d] decoded host-tier codes of the second stage (None: one stage)
-    # [h, n, b] the trained hash's decoded signs (forward), the projections themselves (backward); None: no hash
+    # [h, n, m] the trained hash's decoded codes (forward), the projections themselves (backward); None: no hash
     hashed: torch.Tensor | None = None
 
 
@@ -101,10 +101,11 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     anchor = hard + (soft - soft.detach()) * region
     hashed = None
     if adapter.hash_bits:
-        z = torch.matmul(centred, adapter.hash_key[layer])  # [h, n, b]
+        layout = adapter.hash_layout[layer]
+        z = torch.matmul(centred, adapter.hash_key[layer][..., :sum(layout)])  # [h, n, m]: the layer's projections
         with torch.no_grad():
-            signs = decode(*encode(z, 1), 1)
-        hashed = signs + (z - z.detach())  # straight-through: the sign's gradient taken as the identity's
+            coded = decode_layout(*encode_layout(z, layout), layout)
+        hashed = coded + (z - z.detach())  # straight-through: the quantizer's gradient taken as the identity's
     return Student(coarse, fine, anchor, soft * region, rescored, hashed)
 
 
@@ -119,7 +120,8 @@ def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: tor
         rows = student.rescored
     elif student.hashed is not None:  # anchors from their finer codes, every other row from the trained hash
         a = student.anchor[None, None, :]
-        hashed_q = torch.matmul(query.float().view(h, -1, d), adapter.hash_query[layer])  # [h, g, b]
+        hashed_q = torch.matmul(query.float().view(h, -1, d),
+                                adapter.hash_query[layer][..., :student.hashed.shape[-1]])  # [h, g, m]
         base = torch.matmul(hashed_q, student.hashed.transpose(-1, -2))
         return (a * torch.matmul(q, student.fine.transpose(-1, -2)) + (1 - a) * base) * scaling
     else:
@@ -323,6 +325,9 @@ class SeKVRecipe(RecipeOptions):
     # the index as a trained hash of this many bits a row (0: the rotated key's signs, head_dim bits); its query and
     # key projections (2 x layers x KV heads x head_dim x bits parameters) train at hash_lr
     hash_bits: int = 0
+    # the most bits one projection may take (1: every bit a projection's sign; 2 or 4: fewer projections, the
+    # strongest at more bits, the layout fitted with them: needs hash_init fit)
+    hash_width: int = 1
     hash_lr: float = 0.002
     # where the hash starts: "fit", the projections closest to the query-key product on the teacher cache
     # (hashing.py); "rotation", the layer's first hash_bits rotated coordinates (random hyperplanes)
@@ -372,6 +377,9 @@ class SeKVRecipe(RecipeOptions):
         self.require("hash_bits", self.hash_bits == 0 or (self.hash_bits % 8 == 0 and 8 <= self.hash_bits <= 512),
                      "0 or a multiple of 8 in [8, head_dim]")
         self.require("hash_init", self.hash_init in HASH_INITS, f"one of {HASH_INITS}")
+        self.require("hash_width", self.hash_width in (1, 2, 4), "1, 2 or 4")
+        self.require("hash_width", self.hash_width == 1 or (self.hash_bits and self.hash_init == "fit"),
+                     "1 unless hash_bits is set and hash_init is fit (the fit allocates the widths)")
         for key in ("gain_lr", "hash_lr", "gate_lr", "w_recall", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
             self.require(key, finite_at_least(getattr(self, key), 0), "a finite number >= 0")
 
@@ -383,7 +391,8 @@ class SeKVTraining(MethodTraining):
     recipe_class = SeKVRecipe
     size_hint = ("sekv's modules are sized by the model (layers x KV heads x head_dim); a trained hash adds "
                  "2 x layers x KV heads x head_dim x hash_bits: fewer hash_bits, or none")
-    module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "hash_bits", "max_trainable_fraction")
+    module_keys = ("num_layers", "kv_heads", "head_dim", "rotation_seed", "hash_bits", "hash_width", "hash_layout",
+                   "max_trainable_fraction")
     # code_gain is a log gain (exp(30) ~ 1e13 already drowns every other coordinate); the logits' biases
     # saturate a softmax long before 50
     weight_bounds = {"code_gain": 30.0, "summary_bias": 50.0, "layer_logit": 50.0}
@@ -399,6 +408,7 @@ class SeKVTraining(MethodTraining):
     def init_modules(self, recipe: Any, shape: ModelShape) -> SeKVAdapter:
         return build_sekv_modules(shape, {"rotation_seed": recipe.options.rotation_seed,
                                           "hash_bits": recipe.options.hash_bits,
+                                          "hash_width": recipe.options.hash_width,
                                           "max_trainable_fraction": recipe.max_trainable_fraction})
 
     def prepare(self, modules: SeKVAdapter, recipe: Any, samples: Sequence[Sample]) -> None:
@@ -407,11 +417,14 @@ class SeKVTraining(MethodTraining):
             return
         layers = samples[0]["layers"].tolist()
         query_moment, key_moment = moments(samples, layers, modules.kv_heads)
-        key, query = fit_projections(query_moment, key_moment, modules.hash_bits)
+        key, query, layout = fit_layout(query_moment, key_moment, modules.hash_bits, modules.hash_width,
+                                        modules.hash_key.shape[-1])
         with torch.no_grad():
             modules.hash_key.copy_(key)
             modules.hash_query.copy_(query)
-        log.info("hash of %d bits fitted to the teacher cache (%d samples)", modules.hash_bits, len(samples))
+        modules.hash_layout = layout
+        log.info("hash of %d bits fitted to the teacher cache (%d samples); layouts (n4, n2, n1): %s",
+                 modules.hash_bits, len(samples), " ".join("/".join(map(str, v)) for v in layout))
 
     def method_config(self, recipe: Any) -> SeKVConfig:
         return SeKVConfig(**self._method_kwargs(recipe))
