@@ -102,6 +102,7 @@ SEKV_CASES = {  # name: (the method, host format, prompt lengths, steps)
     "quickstart-shape": (lambda config: get_method("sekv", rescore_from="host"), "k8v4", (400, 290), 24),
     "trained-hash": (_hashed, None, (400, 290), 16),
     "mixed-widths": (lambda config: _hashed(config, width=4), None, (400, 290), 16),
+    "fitted-index": (lambda config: get_method("sekv", fit_bits=16, rescore_from="host"), "k8v4", (400, 290), 16),
     # the short sequence holds fewer real rows than stage one's 156 candidates: padding fills its picks
     "short-sequence": (lambda config: get_method("sekv", rescore_from="host"), None, (400, 100), 16),
     # 140 steps: the codes' buffer grows (128 rows past the prompt), so every layer is captured again

@@ -322,8 +322,8 @@ def _mixed(config, seed: int = 0) -> SeKVAdapter:
 
 def test_the_step_scores_a_mixed_layout_from_its_bytes(config):
     """A row's device codes are 4 bytes at 32 bits whatever the layout; the router's score of every row is the
-    query's projections against the decoded codes (the compiled CPU step does not read mixed widths: the torch
-    path runs), rows appended after the prefill coded alike, and the step picks rows."""
+    query's projections against the decoded codes, rows appended after the prefill coded alike, and the step
+    picks rows."""
     from zoomkv.methods.sekv.codes import decode_layout
 
     adapter = _mixed(config)
@@ -368,3 +368,149 @@ def test_a_recipe_fits_trains_and_records_a_mixed_layout(tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="hash_layout"):
         ZoomAdapter.from_pretrained(folder)
+
+
+# -- fit_bits: codes fitted to the context itself at the prefill --------------------------------------------------
+def test_the_fitted_moments_read_only_the_valid_positions():
+    """``query_moment`` / ``fit_context``: what sits in left padding changes nothing; the layout is ``bits`` bits
+    shared by the batch, the projections each sequence's and head's own."""
+    from zoomkv.methods.sekv.codes import layout_bits
+    from zoomkv.methods.sekv.hashing import fit_context, query_moment
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H * G, 90, 16, generator=g) * torch.linspace(2, 0.1, 16)
+    k = torch.randn(2, H, 90, 16, generator=g) * torch.linspace(0.1, 3, 16)
+    valid = torch.ones(2, 90, dtype=torch.bool)
+    valid[1, :30] = False
+    q2, k2 = q.clone(), k.clone()
+    q2[1, :, :30], k2[1, :, :30] = 1e3, -1e3  # padding's garbage
+    m1, m2 = query_moment(q, valid, H), query_moment(q2, valid, H)
+    torch.testing.assert_close(m1, m2)
+    torch.testing.assert_close(m1[0, 0], (q[0, :G].reshape(-1, 16).T.double() @ q[0, :G].reshape(-1, 16).double()) / (90 * G))
+    key1, query1, layout1 = fit_context(m1, k, valid, 16)
+    key2, query2, layout2 = fit_context(m2, k2, valid, 16)
+    assert layout1 == layout2 and layout_bits(layout1) == 16 and key1.shape == (2, H, 16, sum(layout1))
+    torch.testing.assert_close(key1, key2) and torch.testing.assert_close(query1, query2)
+
+
+def test_a_fitted_index_ranks_an_anisotropic_context_better_than_the_signs():
+    """Keys and queries whose energy sits in few directions (as a model's do): the fitted codes' estimate of every
+    row's logit follows the exact logits more closely than the rotated key's signs at the same 64 bits, and at
+    32 bits no worse than them — the reason for ``fit_bits``."""
+    from zoomkv.methods.sekv.codes import decode, decode_layout, encode, encode_layout, rotation
+    from zoomkv.methods.sekv.hashing import fit_context, query_moment
+
+    g = torch.Generator().manual_seed(1)
+    d, t = 64, 2000
+    basis = torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    k = (torch.randn(1, 1, t, d, generator=g) * torch.logspace(0.5, -1.5, d)) @ basis.T
+    q = (torch.randn(1, 1, t, d, generator=g) * torch.logspace(0, -1, d)) @ basis.T
+    centred = k - k.mean(2, keepdim=True)
+    exact = q[0, 0, -50:] @ centred[0, 0].T
+
+    def corr(est):
+        return float(torch.corrcoef(torch.stack([est.flatten(), exact.flatten()]))[0, 1])
+
+    rot = rotation(d, 0)
+    signs = corr((q[0, 0, -50:] @ rot) @ decode(*encode(centred[0, 0] @ rot, 1), 1).T)
+    fitted = {}
+    for bits in (32, 64):
+        key, query, layout = fit_context(query_moment(q, None, 1), centred, None, bits)
+        rows = decode_layout(*encode_layout(centred[0, 0] @ key[0, 0], layout), layout)
+        fitted[bits] = corr((q[0, 0, -50:] @ query[0, 0]) @ rows.T)
+    assert fitted[64] > signs + 0.02 and fitted[32] > signs
+
+
+def test_the_runtime_keeps_the_query_moment_the_fit_needs(config):
+    """A live prefill (sekv holds no queries while it waits for the surprisal: ``keep_query_statistics`` keeps
+    their moment) and a replay of the recorded prefill (queries kept) fit the same index: the same projections,
+    layout and codes on every layer; the greedy tokens run through the fitted step."""
+    from tests.helpers import greedy, load_tiny, padded_batch
+    from zoomkv import ZoomCache
+    from zoomkv.memory.replay import cache_from_record, record_prefill
+
+    model, _ = load_tiny("tiny-llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(300, 220))
+    live = ZoomCache(model, SeKV(fit_bits=16), 40)
+    out = greedy(model, ids, mask, live, new=3)
+    assert out.sequences.shape[1] == ids.shape[1] + 3
+    replayed = cache_from_record(model, record_prefill(model, ids, mask), SeKV(fit_bits=16), 40)
+    for i in range(model.config.num_hidden_layers):
+        a, b = live.zoom_layer(i), replayed.zoom_layer(i)
+        assert a.meta["hash_layout"] == b.meta["hash_layout"]
+        torch.testing.assert_close(a.device_tier["hash_query"], b.device_tier["hash_query"], rtol=2e-3, atol=2e-3)
+        n = b.device_tier["codes"].view().shape[2]
+        same = (a.device_tier["codes"].view()[:, :, :n] == b.device_tier["codes"].view()).float().mean()
+        assert same > 0.97  # (a coordinate at a level's edge may round the other way)
+
+
+def test_fit_bits_is_checked(config):
+    with pytest.raises(ConfigError, match="fit_bits"):
+        SeKV(fit_bits=12)
+    with pytest.raises(ConfigError, match="one or the other"):
+        SeKV(adapter=SeKVAdapter(2, H, 16, hash_bits=16), fit_bits=16)
+    method = SeKV(fit_bits=32)
+    with pytest.raises(ConfigError, match="more than head_dim"):
+        _memory(config, method, t=100, budget=40, seed=0, d=16)
+
+
+def _fitted_memory(config, method, t, budget, seed, batch=2, d=64):
+    """``_memory`` with queries that have a moment to fit (anisotropic, as a model's are)."""
+    from zoomkv import ZoomCache
+    from zoomkv.protocol.method import PrefillContext
+
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, H, t, d, generator=g) * (1 + torch.rand(batch, H, 1, d, generator=g) * 3)
+    values = torch.randn(batch, H, t, d, generator=g)
+    queries = torch.randn(batch, H * G, t, d, generator=g) * torch.logspace(0.5, -1, d)
+    cache = ZoomCache(config, method, budget)
+    memory = cache.layers[0]
+    memory.lazy_initialization(keys, values)
+    memory.seen = t
+    ctx = PrefillContext(layer_idx=0, num_layers=len(cache.layers), keys=keys, values=values, queries=queries,
+                         valid=None, budget=budget, scaling=d**-0.5, num_kv_groups=G,
+                         zoom_layers=cache.zoom_layer_indices, surprisal=torch.rand(batch, t, generator=g) ** 4 * 10)
+    method.compress(memory, ctx)
+    return memory, g
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+@pytest.mark.parametrize("index", ["mixed", "fit32", "fit64", "fit16"])
+@pytest.mark.parametrize("kwargs", [{}, {"rescore_from": "host"}])
+def test_the_compiled_step_reads_mixed_widths_and_fitted_codes_as_torch_does(config, index, kwargs):
+    """The compiled CPU step scores a layout of 4-, 2- and 1-bit codes (byte tables of each byte's width, the
+    16-row register path included) and each sequence's own fitted projections as the torch path does; its append
+    codes new rows alike."""
+    if index == "mixed":
+        method = SeKV(adapter=_mixed(config), **kwargs)
+        memory, g = _memory(config, method, t=300, budget=48, seed=1, batch=2, d=64)
+    else:
+        method = SeKV(fit_bits=int(index[3:]), **kwargs)
+        memory, g = _fitted_memory(config, method, t=300, budget=48, seed=1)
+    assert memory.meta["hash_layout"][0] + memory.meta["hash_layout"][1] > 0  # widths above one bit
+    for _ in range(3):  # new rows coded by the compiled append
+        method.append(memory, torch.randn(2, H, 1, 64, generator=g), torch.randn(2, H, 1, 64, generator=g))
+        _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, 64, generator=g) * 2))
+    bits = 32 if index == "mixed" else int(index[3:])
+    assert memory.device_tier["codes"].view().shape[-1] == bits // 8
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+@pytest.mark.parametrize("index", ["mixed", "fit32"])
+def test_the_compiled_append_writes_mixed_codes_of_the_torch_append(config, index):
+    views = []
+    for torch_path in (True, False):
+        if index == "mixed":
+            method = SeKV(adapter=_mixed(config))
+            memory, g = _memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
+        else:
+            method = SeKV(fit_bits=32)
+            memory, g = _fitted_memory(config, method, t=120, budget=40, seed=8)
+        with native.torch_path() if torch_path else torch.no_grad():
+            for rows in (1, 3, 1):
+                method.append(memory, torch.randn(2, H, rows, 64, generator=g), torch.randn(2, H, rows, 64, generator=g))
+        views.append((memory.device_tier["codes"].view().clone(), memory.device_tier["code_rms"].view().clone()))
+    (codes0, rms0), (codes1, rms1) = views
+    assert codes0.shape == codes1.shape == (2, H, 125, 4)
+    assert (codes0 != codes1).float().mean() < 2e-2  # a projection at a level's edge may round the other way
+    torch.testing.assert_close(rms0.float(), rms1.float(), rtol=2e-3, atol=1e-4)

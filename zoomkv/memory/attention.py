@@ -154,6 +154,7 @@ def zoomkv_attention_forward(
             # Surprisal needs the model's logits, which exist only after the last layer: the model's
             # final-norm hook (see cache.attach) compresses every pending layer then.
             if not method.reads_queries and recorder is None:  # not held until then (an empty tensor, no view)
+                method.keep_query_statistics(ctx)
                 ctx.queries = query.new_empty(*query.shape[:2], 0, query.shape[3])
             if memory.pin_host and key.is_cuda and recorder is None:
                 # The layer's prompt rows wait in pinned host memory, not on the GPU: every layer's KV on the device

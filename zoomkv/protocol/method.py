@@ -294,6 +294,11 @@ class KVMethod:
         the budget, reported as ``dense`` in the memory report, and configurable to zero."""
         return False
 
+    def keep_query_statistics(self, ctx: PrefillContext) -> None:
+        """Called, for a method that does not read ``ctx.queries`` (``reads_queries`` False), before a layer that
+        waits for the surprisal lets its queries go: keep what ``compress`` needs of them in ``ctx.derived``
+        (a moment, not the queries). Nothing by default."""
+
     # -- the three hooks --------------------------------------------------------------------------------
     def compress(self, memory: Memory, ctx: PrefillContext) -> None:
         """After the prompt's exact attention: keep what the method keeps of ``ctx.keys`` / ``ctx.values`` in

@@ -90,13 +90,48 @@ def allocate(weights: list[float], bits: int, width: int) -> Layout:
     return best[1]
 
 
+def _weights(query_moment: torch.Tensor, key_moment: torch.Tensor, columns: int) -> torch.Tensor:
+    """``[..., columns]``: each direction's share of the query-key product's squared singular values."""
+    a, _ = _sqrt_and_inverse(query_moment)
+    b, _ = _sqrt_and_inverse(key_moment)
+    s = torch.linalg.svdvals(a @ b)[..., :columns].double() ** 2
+    return s / s.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
 def fit_layout(query_moment: torch.Tensor, key_moment: torch.Tensor, bits: int, width: int,
                columns: int) -> tuple[torch.Tensor, torch.Tensor, list[Layout]]:
     """``[L, h, d, d]`` moments → the first ``columns`` projections (strongest first) and each layer's layout, its
     directions weighted by the squared singular values, each head's normalised to sum 1, averaged over heads."""
     key, query = fit_projections(query_moment, key_moment, columns)
-    a, _ = _sqrt_and_inverse(query_moment)
-    b, _ = _sqrt_and_inverse(key_moment)
-    s = torch.linalg.svdvals(a @ b)[..., :columns].double() ** 2  # [L, h, columns]
-    weights = (s / s.sum(-1, keepdim=True).clamp_min(1e-30)).mean(1)  # [L, columns]
+    weights = _weights(query_moment, key_moment, columns).mean(1)  # [L, columns]
     return key, query, [allocate(w.tolist(), bits, width) for w in weights]
+
+
+def query_moment(queries: torch.Tensor, valid: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """A prefill's queries ``[b, hq, T, d]`` → ``[b, heads, d, d]``: the second moment of each KV head's group of
+    query heads over the valid positions (float64)."""
+    b, hq, t, d = queries.shape
+    q = queries.double()
+    if valid is not None:
+        q = q * valid[:, None, :, None]
+    q = q.reshape(b, heads, (hq // heads) * t, d)  # a KV head's query heads, one after another
+    count = (valid.sum(-1) if valid is not None else torch.full((b,), t, device=q.device)) * (hq // heads)
+    return q.transpose(-1, -2) @ q / count.clamp_min(1).double()[:, None, None, None]
+
+
+def fit_context(query_moment: torch.Tensor, centred: torch.Tensor, valid: torch.Tensor | None, bits: int,
+                width: int = 4) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+    """sekv's ``fit_bits`` index, fitted to one prefill: its query moment ``[b, h, d, d]`` and its keys centred
+    ``[b, h, T, d]`` → key and query projections ``[b, h, d, m]`` (float32, the ``m`` coordinates the layout uses)
+    and one layout for the batch (the directions' weights averaged over sequences and heads)."""
+    b, h, t, d = centred.shape
+    x = centred.double()
+    if valid is not None:
+        x = x * valid[:, None, :, None]
+    count = valid.sum(-1) if valid is not None else torch.full((b,), t, device=x.device)
+    key_moment = x.transpose(-1, -2) @ x / count.clamp_min(1).double()[:, None, None, None]
+    columns = min(d, bits)
+    key, query = fit_projections(query_moment, key_moment, columns)
+    layout = allocate(_weights(query_moment, key_moment, columns).mean((0, 1)).tolist(), bits, width)
+    used = sum(layout)
+    return key[..., :used].contiguous(), query[..., :used].contiguous(), layout

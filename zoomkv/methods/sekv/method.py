@@ -50,6 +50,7 @@ from zoomkv.memory.tail import append_tail, init_tail, with_tail
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.methods.sekv import native
 from zoomkv.methods.sekv.codes import BITS, encode, encode_layout, rotation, score_codes, score_layout
+from zoomkv.methods.sekv.hashing import fit_context, query_moment
 from zoomkv.methods.sekv.host import masked_mean, principal_directions, project, reconstruct
 from zoomkv.methods.sekv.modules import INIT_TAU, SeKVAdapter
 from zoomkv.protocol import rotary
@@ -72,6 +73,7 @@ from zoomkv.protocol.recallable import (
 
 TAIL = "sekv_tail"  # the summary row's running sums, apart from the runtime's own ``--tail-summary`` row
 NATIVE = "native_layer"  # memory.meta: the layer's compiled step, laid out after the prefill
+QUERY_MOMENT = "sekv_query_moment"  # ctx.derived: the prefill's query moment per KV head (fit_bits)
 HOST_KEY_BASES = ("pre_rope", "post_rope")
 RESCORE_SOURCES = ("codes", "host")
 
@@ -97,6 +99,12 @@ class SeKVConfig(MethodConfig):
     )
     candidates: float = field(
         default=4.0, metadata={"help": "candidates per recalled row the first stage passes to the rescoring"}
+    )
+    fit_bits: int = field(
+        default=0, metadata={"help": "the index as codes fitted to the context at the prefill, this many bits a row "
+                                     "(a multiple of 8 up to head_dim): the directions of its query-key product "
+                                     "under its own query and key statistics, the strongest at 4 or 2 bits; 0: the "
+                                     "rotated key's signs (or an adapter's trained hash)"}
     )
     rescore_from: str = field(
         default="codes", metadata={"help": "what the second stage scores the candidates with: 'codes', finer codes "
@@ -156,6 +164,8 @@ class SeKVConfig(MethodConfig):
             raise ConfigError(f"anchor_fraction must be in [0, 1], got {self.anchor_fraction}")
         if self.rescore_bits not in (0, *BITS):
             raise ConfigError(f"rescore_bits must be 0 or one of {BITS}, got {self.rescore_bits}")
+        if self.fit_bits and (self.fit_bits % 8 or not 8 <= self.fit_bits <= 512):
+            raise ConfigError(f"fit_bits must be 0 or a multiple of 8 in [8, head_dim], got {self.fit_bits}")
         if not 1 <= self.candidates <= 64:
             raise ConfigError(f"candidates must be in [1, 64], got {self.candidates}")
         if self.host_key_basis not in HOST_KEY_BASES:
@@ -237,6 +247,9 @@ class SeKV(RecallableMethod):
             raise ConfigError(f"sekv takes a SeKVAdapter, not {type(adapter).__name__} (load a saved adapter with "
                               "ZoomAdapter.from_pretrained(path).make_method())")
         self.adapter: SeKVAdapter | None = adapter
+        if adapter is not None and adapter.hash_bits and self.config.fit_bits:
+            raise ConfigError(f"sekv: this adapter's index is a trained hash of {adapter.hash_bits} bits a row; "
+                              "fit_bits (an index fitted to the context) replaces it: one or the other")
         if adapter is not None and adapter.hash_bits and self.config.code_bits != 1:
             raise ConfigError(f"sekv: this adapter's index is a trained hash of {adapter.hash_bits} bits a row (one a "
                               f"projection); code_bits={self.config.code_bits} does not apply to it")
@@ -302,6 +315,35 @@ class SeKV(RecallableMethod):
         return self.adapter.rotation_seed_of(layer) if self.adapter is not None else layer
 
     # -- prefill ----------------------------------------------------------------------------------------
+    def keep_query_statistics(self, ctx: PrefillContext) -> None:
+        if self.config.fit_bits:  # the fitted index weighs the keys' directions by the context's queries
+            ctx.derived[QUERY_MOMENT] = query_moment(ctx.queries, ctx.valid, ctx.keys.shape[1])
+
+    def _index_projections(self, ctx: PrefillContext, centred: torch.Tensor, valid: torch.Tensor,
+                           layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]] | None:
+        """The index's key and query projections and layout: fitted to this context (``fit_bits``), an adapter's
+        trained hash, or None (the rotated key's signs)."""
+        if self.config.fit_bits:
+            if self.config.fit_bits > centred.shape[-1]:
+                raise ConfigError(f"sekv: fit_bits={self.config.fit_bits} is more than head_dim "
+                                  f"{centred.shape[-1]} bits a row")
+            moment = ctx.derived.get(QUERY_MOMENT)
+            if moment is None:  # the queries were held (a replay's record): their moment now
+                if ctx.queries.shape[2] == 0:
+                    raise ConfigError("sekv: fit_bits needs the prefill's queries, which this runtime did not keep")
+                moment = ctx.derived[QUERY_MOMENT] = query_moment(ctx.queries, ctx.valid, centred.shape[1])
+            key, query, layout = fit_context(moment, centred, valid, self.config.fit_bits)
+            # fp16 on the device (a sequence's own: at 4K rows they would otherwise weigh half of what the fewer
+            # bits a row save), widened where used
+            return key.half().to(centred.device), query.half().to(centred.device), layout
+        if self.adapter is None or not self.adapter.hash_bits:
+            return None
+        layout = self.adapter.hash_layout[layer]
+        used = sum(layout)  # the layer's projections (a mixed layout leaves the rest unused)
+        key, query = (p[layer][..., :used].detach().float().contiguous().to(centred.device)
+                      for p in (self.adapter.hash_key, self.adapter.hash_query))
+        return key, query, layout
+
     @torch.no_grad()
     def compress(self, memory, ctx: PrefillContext) -> None:
         self._check_adapter(ctx)
@@ -320,13 +362,11 @@ class SeKV(RecallableMethod):
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
         rotated = torch.matmul(keys - mean, rot)
-        if self.adapter is not None and self.adapter.hash_bits:  # the trained hash: the index is its codes
-            layout = memory.meta["hash_layout"] = self.adapter.hash_layout[layer]
-            used = sum(layout)  # the layer's projections (a mixed layout leaves the rest unused)
-            dev["hash_key"] = self.adapter.hash_key[layer][..., :used].detach().float().contiguous().to(keys.device)
-            dev["hash_query"] = self.adapter.hash_query[layer][..., :used].detach().float().contiguous().to(
-                keys.device)
-            codes, rms = encode_layout(torch.matmul(keys - mean, dev["hash_key"]), layout)
+        projections = self._index_projections(ctx, keys - mean, valid, layer)
+        if projections is not None:  # a trained hash or codes fitted to this context: the index is their codes
+            dev["hash_key"], dev["hash_query"], layout = projections
+            memory.meta["hash_layout"] = layout
+            codes, rms = encode_layout(torch.matmul(keys - mean, dev["hash_key"].float()), layout)
         else:
             memory.meta.pop("hash_layout", None)
             codes, rms = encode(rotated, c.code_bits)
@@ -556,7 +596,7 @@ class SeKV(RecallableMethod):
         dev = memory.device_tier
         centred = key.float() - dev["code_mean"]
         if "hash_key" in dev:  # the trained hash's codes
-            codes, rms = encode_layout(torch.matmul(centred, dev["hash_key"]), memory.meta["hash_layout"])
+            codes, rms = encode_layout(torch.matmul(centred, dev["hash_key"].float()), memory.meta["hash_layout"])
             rotated = torch.matmul(centred, dev["code_rotation"]) if fine_bits else None
         else:
             rotated = torch.matmul(centred, dev["code_rotation"])
@@ -586,7 +626,7 @@ class SeKV(RecallableMethod):
         qr = self.rotated_query(memory, query)
         codes, rms = ((buf.view() if width is None else buf.data[:, :, :width]) for buf in (dev["codes"], dev["code_rms"]))
         if "hash_query" in dev:  # the trained hash: the query's weights on the key's codes
-            hashed = torch.matmul(group_query(query, h).float(), dev["hash_query"])
+            hashed = torch.matmul(group_query(query, h).float(), dev["hash_query"].float())
             scores = score_layout(hashed, codes, rms, memory.meta["hash_layout"])
         else:
             scores = score_codes(qr, codes, rms, self.config.code_bits)
@@ -714,13 +754,6 @@ class SeKV(RecallableMethod):
         two_stages = c.rescore_bits or c.rescore_from == "host"
         return self._candidates(budget) if two_stages else budget - c.summary_row
 
-    @staticmethod
-    def _native(memory, query: torch.Tensor) -> bool:
-        """Whether this layer's step runs compiled (``native``): CPU tensors, and an index it reads (a trained hash
-        of mixed widths is scored by torch)."""
-        layout = memory.meta.get("hash_layout")
-        return native.usable(query) and (layout is None or layout[0] == layout[1] == 0)
-
     def _native_layer(self, memory) -> native.NativeLayer:
         """This layer's compiled step (``native.NativeLayer``), laid out once after the prefill."""
         plan = memory.meta.get(NATIVE)
@@ -745,7 +778,7 @@ class SeKV(RecallableMethod):
         coded row by row, more rows than stage one keeps (``coming``: rows this step appends still). None
         elsewhere: the step scores the filled rows."""
         dev, budget = memory.device_tier, memory.meta.get("budget")
-        if budget is None or "codes" not in dev or not graphs.capturable(query) or self._native(memory, query) \
+        if budget is None or "codes" not in dev or not graphs.capturable(query) or native.usable(query) \
                 or memory.meta["low_rank"] or memory.meta.get("exact_anchors") \
                 or not all(buf.writes_at for buf in self._appended_buffers(memory)):
             return None
@@ -802,7 +835,7 @@ class SeKV(RecallableMethod):
         width = self._fixed_rows(memory, query)
         if n > k:
             # one compiled call on CPU tensors (native/select.cpp), the recall in it; the torch path elsewhere
-            if self._native(memory, query):
+            if native.usable(query):
                 plan = self._native_layer(memory)
                 idx = plan.step(query)
                 if plan.recall:

@@ -53,7 +53,8 @@ class LayerArgs(ctypes.Structure):
                 ("out_keys", _P), ("out_values", _P), ("out_cap", _I64),
                 ("append_keys", _I64), ("append_values", _I64),
                 ("anchor_copies", _I64), ("anchor_keys", HostArgs), ("anchor_values", HostArgs),
-                ("hash_bits", _I64), ("hash_key", _P), ("hash_query", _P)]
+                ("hash_bits", _I64), ("hash_key", _P), ("hash_query", _P), ("hash_layout", _I64 * 3),
+                ("hash_per_sequence", _I64)]
 
 
 _LAYER = ctypes.POINTER(LayerArgs)
@@ -159,9 +160,13 @@ class NativeLayer:
         if gains is not None:
             self.held.append(gains.float().contiguous())
             a.gains = self.held[-1].data_ptr()
-        if "hash_key" in dev:  # a trained hash index ([heads, d, bits] projections of keys and queries)
+        if "hash_key" in dev:  # a hash index: [heads, d, m] projections of keys and queries ([batch, ...]: fitted)
             self.held += [dev["hash_key"].float().contiguous(), dev["hash_query"].float().contiguous()]
-            a.hash_bits, a.hash_key, a.hash_query = self.held[-1].shape[-1], self.held[-2].data_ptr(), self.held[-1].data_ptr()
+            layout = memory.meta["hash_layout"]
+            a.hash_bits, a.hash_key, a.hash_query = 4 * layout[0] + 2 * layout[1] + layout[2], \
+                self.held[-2].data_ptr(), self.held[-1].data_ptr()
+            a.hash_layout[:] = layout
+            a.hash_per_sequence = int(self.held[-1].dim() == 4)
         if "anchor_pos" in dev and dev["anchor_pos"].shape[1]:
             anchors = [dev["anchor_pos"].contiguous(), dev["anchor_codes"].contiguous(), dev["anchor_rms"].contiguous()]
             self.held += anchors

@@ -70,9 +70,32 @@ void softmax(float* l, int64_t n) {
 // step * q . index + a per-query constant: the codes are unpacked once per row and dotted with every query.
 class Scorer {
  public:
+  // A trained or fitted hash of mixed widths: layout = (n4, n2, n1) coordinates at 4, 2 and 1 bits, packed in that
+  // order, each group whole bytes: a table of 256 partial sums per byte, whatever its width (scored as one bit is).
+  Scorer(const float* queries, int64_t group, const int64_t* layout)
+      : q_(queries), group_(group), d_(layout[0] + layout[1] + layout[2]), bits_(1),
+        nbytes_((4 * layout[0] + 2 * layout[1] + layout[2]) / 8) {
+    const int widths[3] = {4, 2, 1};
+    for (int w = 0, coord = 0; w < 3; ++w)
+      for (int64_t j = 0; j < layout[w] * widths[w] / 8; ++j, coord += 8 / widths[w]) {
+        byte_width_.push_back(widths[w]);
+        byte_coord_.push_back(coord);
+      }
+    tables_.resize(group * nbytes_ * 256);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < nbytes_; ++j) {
+        float* t = tables_.data() + (g * nbytes_ + j) * 256;
+        for (int value = 0; value < 256; ++value) t[value] = partial(g, j, 0, value, 8 / byte_width_[j]);
+      }
+  }
+
   Scorer(const float* queries, int64_t group, int64_t d, int bits)
       : q_(queries), group_(group), d_(d), bits_(bits), nbytes_(d * bits / 8) {
     if (bits == 1) {
+      for (int64_t j = 0; j < nbytes_; ++j) {
+        byte_width_.push_back(1);
+        byte_coord_.push_back(int(8 * j));
+      }
       const float v = std::sqrt(2.0f / float(M_PI));
       tables_.resize(group * nbytes_ * 256);
       for (int64_t g = 0; g < group; ++g)
@@ -186,19 +209,28 @@ class Scorer {
     }
   }
 
+  // Query g's dot product with the levels `value` stands for in `count` coordinates of byte j from its `first` (a
+  // byte of width w holds 8 / w coordinates, coordinate i at bits i*w; `value` starts at coordinate `first`).
+  float partial(int64_t g, int64_t j, int first, int value, int count) const {
+    const int w = byte_width_[j];
+    const float* q = q_ + g * d_ + byte_coord_[j] + first;
+    const float one = std::sqrt(2.0f / float(M_PI)), step = code_step(w), half = float(1 << (w - 1));
+    float sum = 0.0f;
+    for (int i = 0; i < count; ++i) {
+      const int code = (value >> (i * w)) & ((1 << w) - 1);
+      sum += w == 1 ? (code ? q[i] * one : -q[i] * one) : q[i] * ((float(code) - half + 0.5f) * step);
+    }
+    return sum;
+  }
+
 #if defined(__AVX512F__)
-  // Query g's 16-entry tables, one per nibble (4 coordinates) of a 1-bit code, each in a register: t[p][value] is
-  // the query's dot product with the levels nibble p = value stands for.
+  // Query g's 16-entry tables, one per nibble of the code (4, 2 or 1 coordinates by its byte's width), each in a
+  // register: t[p][value] is the query's dot product with the levels nibble p = value stands for.
   void nibble_tables(int64_t g, int nibbles, __m512* t) const {
-    const float v = std::sqrt(2.0f / float(M_PI));
-    const float* q = q_ + g * d_;
     alignas(64) float nt[16];
     for (int p = 0; p < nibbles; ++p) {
-      for (int value = 0; value < 16; ++value) {
-        float sum = 0.0f;
-        for (int i = 0; i < 4; ++i) sum += ((value >> i) & 1) ? q[4 * p + i] * v : -q[4 * p + i] * v;
-        nt[value] = sum;
-      }
+      const int per = 4 / byte_width_[p / 2];  // the nibble's coordinates
+      for (int value = 0; value < 16; ++value) nt[value] = partial(g, p / 2, (p % 2) * per, value, per);
       t[p] = _mm512_load_ps(nt);
     }
   }
@@ -267,6 +299,7 @@ class Scorer {
   int64_t nbytes_;
   float step_ = 0.0f;
   std::vector<float> tables_, offset_, unpacked_, rms_;
+  std::vector<int> byte_width_, byte_coord_;  // table mode: each code byte's width and its first coordinate
 };
 
 // A host tier's rows as the recall reads them: float32, or int8 / int4 codes (two to a byte, the low nibble
@@ -535,25 +568,44 @@ struct Layer {
   int64_t hash_bits;
   const float* hash_key;
   const float* hash_query;
+  // its layout: (n4, n2, n1) projections at 4, 2 and 1 bits (n1 = hash_bits: every one a sign), and whether the
+  // projections are each sequence's own ([batch, heads, d, m], fitted to the context) or the heads' ([heads, d, m])
+  int64_t hash_layout[3];
+  int64_t hash_per_sequence;
 };
 
-// One key's hash codes: the signs of (key - mean) @ proj ([d, bits]), packed, and the projections' fp16 RMS.
-void encode_hash_row(const float* key, const float* mu, const float* proj, int64_t d, int64_t bits, uint8_t* codes,
-                     uint16_t* rms) {
-  float x[512];  // bits <= 512 (checked by the caller)
-  for (int64_t c = 0; c < bits; ++c) x[c] = 0.0f;
+// One key's hash codes: its m = n4 + n2 + n1 projections (key - mean) @ proj ([d, m]), over their RMS, quantized at
+// 4, 2 and 1 bits by layout (codes.py's encode_layout), packed group after group; and the projections' fp16 RMS.
+void encode_hash_row(const float* key, const float* mu, const float* proj, int64_t d, const int64_t* layout,
+                     uint8_t* codes, uint16_t* rms) {
+  const int64_t m = layout[0] + layout[1] + layout[2];
+  float x[512];  // m <= 512 (checked by the caller)
+  for (int64_t c = 0; c < m; ++c) x[c] = 0.0f;
   for (int64_t j = 0; j < d; ++j) {
     const float kj = key[j] - mu[j];
-    const float* row = proj + j * bits;
-    for (int64_t c = 0; c < bits; ++c) x[c] += kj * row[c];
+    const float* row = proj + j * m;
+    for (int64_t c = 0; c < m; ++c) x[c] += kj * row[c];
   }
   float ss = 0.0f;
-  for (int64_t c = 0; c < bits; ++c) ss += x[c] * x[c];
-  *rms = float_to_half(std::sqrt(ss / float(bits)));
-  for (int64_t j = 0; j < bits / 8; ++j) {
-    unsigned byte = 0;
-    for (int i = 0; i < 8; ++i) byte |= unsigned(x[j * 8 + i] > 0.0f) << i;
-    codes[j] = uint8_t(byte);
+  for (int64_t c = 0; c < m; ++c) ss += x[c] * x[c];
+  const float r = std::sqrt(ss / float(m));
+  *rms = float_to_half(r);
+  const float inv = 1.0f / std::max(r, 1e-12f);
+  const int widths[3] = {4, 2, 1};
+  int64_t c = 0;
+  for (int w = 0; w < 3; ++w) {
+    const int bits = widths[w], per = 8 / bits, half = 1 << (bits - 1);
+    for (int64_t j = 0; j < layout[w] / per; ++j, ++codes) {
+      unsigned byte = 0;
+      for (int i = 0; i < per; ++i, ++c) {
+        const float z = x[c] * inv;
+        const int code = bits == 1 ? int(x[c] > 0.0f)
+                                   : int(std::min(std::max(std::floor(z / code_step(bits)), float(-half)),
+                                                  float(half - 1))) + half;
+        byte |= unsigned(code) << (i * bits);
+      }
+      *codes = uint8_t(byte);
+    }
   }
 }
 
@@ -592,9 +644,9 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   const int64_t block = rows_at_once(group, n);
   s.logits.resize(block * n);
   if (a.hash_bits) {
-    const int64_t nb = a.hash_bits;
+    const int64_t nb = a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2];  // the projections
     s.qh.assign(group * nb, 0.0f);
-    const float* proj = a.hash_query + h * d * nb;
+    const float* proj = a.hash_query + (a.hash_per_sequence ? bh : h) * d * nb;
     for (int64_t g = 0; g < group; ++g) {
       const float* q = a.query + (bh * group + g) * d;
       float* qh = s.qh.data() + g * nb;
@@ -609,7 +661,8 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   for (int64_t g0 = 0; g0 < group; g0 += block) {
     const int64_t rows = std::min(block, group - g0);
     if (a.hash_bits) {
-      Scorer scorer(s.qh.data() + g0 * a.hash_bits, rows, a.hash_bits, 1);
+      Scorer scorer(s.qh.data() + g0 * (a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2]), rows,
+                    a.hash_layout);
       scorer.reserve(n);
       scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
                         s.logits.data());
@@ -761,8 +814,11 @@ void append_rows(const Layer& a, const float* keys, const float* values, int64_t
       const float* value = values + (bh * rows + r) * dv;
       encode_row(key, a.mean + bh * d, a.rotation, d, out, bh, a.n + r);
       if (a.hash_bits)
-        encode_hash_row(key, a.mean + bh * d, a.hash_key + (bh % a.heads) * d * a.hash_bits, d, a.hash_bits,
-                        a.codes + (bh * a.codes_cap + a.n + r) * (a.hash_bits / 8), a.rms + bh * a.rms_cap + a.n + r);
+        encode_hash_row(key, a.mean + bh * d,
+                        a.hash_key + (a.hash_per_sequence ? bh : bh % a.heads) * d *
+                                         (a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2]),
+                        d, a.hash_layout, a.codes + (bh * a.codes_cap + a.n + r) * (a.hash_bits / 8),
+                        a.rms + bh * a.rms_cap + a.n + r);
       if (host_keys) std::memcpy(host_keys + (bh * a.keys.cap + a.n + r) * d, key, d * 4);
       if (host_values) std::memcpy(host_values + (bh * a.values.cap + a.n + r) * dv, value, dv * 4);
       for (int64_t c = 0; c < d; ++c) ks[c] += key[c];
