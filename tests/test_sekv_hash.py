@@ -514,3 +514,15 @@ def test_the_compiled_append_writes_mixed_codes_of_the_torch_append(config, inde
     assert codes0.shape == codes1.shape == (2, H, 125, 4)
     assert (codes0 != codes1).float().mean() < 2e-2  # a projection at a level's edge may round the other way
     torch.testing.assert_close(rms0.float(), rms1.float(), rtol=2e-3, atol=1e-4)
+
+
+def test_a_recipe_records_fit_bits_and_its_adapter_runs_with_them(tmp_path):
+    from zoomkv.adapters.model import ZoomAdapter
+    from zoomkv.cli import run_command
+
+    assert run_command("train", ["--recipe", str(ROOT / "recipes" / "tiny-llama-sekv.yaml"), "fit_bits=16",
+                                 f"output_dir={tmp_path}", "num_samples=2", "queries_per_sample=2", "steps=2",
+                                 "layers_per_step=2", "eval_samples=0", "tensorboard=false"], prog="zoomkv train") == 0
+    folder = tmp_path / "sekv-tiny" / "adapter"
+    assert json.loads((folder / "adapter_config.json").read_text())["hyper"]["fit_bits"] == 16
+    assert ZoomAdapter.from_pretrained(folder).make_method().config.fit_bits == 16

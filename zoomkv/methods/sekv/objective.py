@@ -332,6 +332,9 @@ class SeKVRecipe(RecipeOptions):
     # where the hash starts: "fit", the projections closest to the query-key product on the teacher cache
     # (hashing.py); "rotation", the layer's first hash_bits rotated coordinates (random hyperplanes)
     hash_init: str = "rotation"
+    # the index fitted to each context at the prefill instead, this many bits a row (SeKVConfig.fit_bits; nothing
+    # trains for it: the adapter records it, its steps train the rest as they would); 0: not recorded
+    fit_bits: int = 0
     gain_lr: float = 0.02  # the projector's log gains scale logits: they move more gently than τ
     # the first stage's recall: the teacher's top rows it leaves out of the candidates the second stage rescores
     # (candidate_miss), for an index that must find the rows rather than rank them all (0: off)
@@ -378,6 +381,9 @@ class SeKVRecipe(RecipeOptions):
                      "0 or a multiple of 8 in [8, head_dim]")
         self.require("hash_init", self.hash_init in HASH_INITS, f"one of {HASH_INITS}")
         self.require("hash_width", self.hash_width in (1, 2, 4), "1, 2 or 4")
+        self.require("fit_bits", self.fit_bits == 0 or (self.fit_bits % 8 == 0 and 8 <= self.fit_bits <= 512
+                                                        and not self.hash_bits),
+                     "0 or a multiple of 8 in [8, head_dim], without hash_bits (one index or the other)")
         self.require("hash_width", self.hash_width == 1 or (self.hash_bits and self.hash_init == "fit"),
                      "1 unless hash_bits is set and hash_init is fit (the fit allocates the widths)")
         for key in ("gain_lr", "hash_lr", "gate_lr", "w_recall", "w_rank", "w_anchor", "w_split", "w_out", "w_host"):
@@ -432,7 +438,8 @@ class SeKVTraining(MethodTraining):
     def _method_kwargs(self, recipe: Any) -> dict[str, Any]:
         o = recipe.options
         return {k: recipe.recent if k == "recent" else getattr(o, k) for k in _METHOD_KEYS
-                if k == "recent" or hasattr(o, k)}  # host_bits: fitted after the steps (fitted_hyper)
+                if k == "recent" or (hasattr(o, k) and (k != "fit_bits" or o.fit_bits))}
+        # host_bits: fitted after the steps (fitted_hyper); fit_bits only when set (adapters saved before it)
 
     def hyper(self, modules: SeKVAdapter, recipe: Any) -> dict[str, Any]:
         return {**self._method_kwargs(recipe), **modules.hyper()}
