@@ -107,16 +107,28 @@ def fit_layout(query_moment: torch.Tensor, key_moment: torch.Tensor, bits: int, 
     return key, query, [allocate(w.tolist(), bits, width) for w in weights]
 
 
+CHUNK = 4096  # positions a moment reads at once: float32 copies of a chunk, not of a 32K prefill's rows
+
+
+def _moment(rows: torch.Tensor, valid: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """``[b, r, T, d]`` (``r`` a multiple of ``heads``: a KV head's rows one group after another) → ``[b, heads,
+    d, d]`` float64: the second moment of each head's rows over the valid positions, a chunk at a time in float32."""
+    b, r, t, d = rows.shape
+    total = torch.zeros(b, heads, d, d, dtype=torch.float64, device=rows.device)
+    for start in range(0, t, CHUNK):
+        x = rows[:, :, start: start + CHUNK].float()
+        if valid is not None:
+            x = x * valid[:, None, start: start + CHUNK, None]
+        x = x.reshape(b, heads, -1, d)
+        total += (x.transpose(-1, -2) @ x).double()
+    count = (valid.sum(-1) if valid is not None else torch.full((b,), t, device=rows.device)) * (r // heads)
+    return total / count.clamp_min(1).double()[:, None, None, None]
+
+
 def query_moment(queries: torch.Tensor, valid: torch.Tensor | None, heads: int) -> torch.Tensor:
     """A prefill's queries ``[b, hq, T, d]`` → ``[b, heads, d, d]``: the second moment of each KV head's group of
     query heads over the valid positions (float64)."""
-    b, hq, t, d = queries.shape
-    q = queries.double()
-    if valid is not None:
-        q = q * valid[:, None, :, None]
-    q = q.reshape(b, heads, (hq // heads) * t, d)  # a KV head's query heads, one after another
-    count = (valid.sum(-1) if valid is not None else torch.full((b,), t, device=q.device)) * (hq // heads)
-    return q.transpose(-1, -2) @ q / count.clamp_min(1).double()[:, None, None, None]
+    return _moment(queries, valid, heads)
 
 
 def fit_context(query_moment: torch.Tensor, centred: torch.Tensor, valid: torch.Tensor | None, bits: int,
@@ -124,12 +136,8 @@ def fit_context(query_moment: torch.Tensor, centred: torch.Tensor, valid: torch.
     """sekv's ``fit_bits`` index, fitted to one prefill: its query moment ``[b, h, d, d]`` and its keys centred
     ``[b, h, T, d]`` → key and query projections ``[b, h, d, m]`` (float32, the ``m`` coordinates the layout uses)
     and one layout for the batch (the directions' weights averaged over sequences and heads)."""
-    b, h, t, d = centred.shape
-    x = centred.double()
-    if valid is not None:
-        x = x * valid[:, None, :, None]
-    count = valid.sum(-1) if valid is not None else torch.full((b,), t, device=x.device)
-    key_moment = x.transpose(-1, -2) @ x / count.clamp_min(1).double()[:, None, None, None]
+    h, d = centred.shape[1], centred.shape[3]
+    key_moment = _moment(centred, valid, h)
     columns = min(d, bits)
     key, query = fit_projections(query_moment, key_moment, columns)
     layout = allocate(_weights(query_moment, key_moment, columns).mean((0, 1)).tolist(), bits, width)
