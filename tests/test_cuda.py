@@ -413,10 +413,24 @@ def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
 
 
+def test_a_fitted_index_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
+    """sekv's ``fit_bits`` (codes fitted to each context at the prefill, from the query moment the runtime keeps):
+    the GPU's fit, torch step and Triton scorers give the greedy tokens of the compiled CPU step."""
+    from zoomkv.methods.sekv.method import SeKV
+
+    cfg = tiny.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    ids, mask = _batch(tiny, lengths=(300, 220))
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(fit_bits=d), 40), new=12)
+    cpu_model, _ = load_model(tiny.zoomkv_name)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(fit_bits=d), 40), new=12)
+    assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
+
+
 # -- a decode step's selection as a CUDA graph (zoomkv.memory.graphs; tests/test_graphs.py emulates it on the CPU) --
 # 400 and 290 tokens at B=40: more rows than sekv's stage one keeps (156), so its step has fixed shapes
 GRAPH_CASES = {"codes-rescoring": ("sekv", {}, None), "quickstart-shape": ("sekv", {"rescore_from": "host"}, "k8v4"),
-               "quest": ("quest", {}, None)}
+               "fitted-index": ("sekv", {"fit_bits": 16, "rescore_from": "host"}, "k8v4"), "quest": ("quest", {}, None)}
 
 
 @pytest.mark.parametrize("mode", ["1", "step"])  # whole decoder layers (the default), or the cache's steps alone
