@@ -23,7 +23,9 @@ the index: counted in the device tier's bytes (10 bytes per row at head_dim 64 a
 
 With an adapter trained with ``hash_bits`` (``modules.py``), the index is the signs of the key's trained
 projections instead (``hash_bits / 8`` bytes and the RMS a row: 6 at 32 bits), scored against the query's trained
-projection; anchors and the second stage keep the rotated key's finer codes.
+projection; anchors and the second stage keep the rotated key's finer codes. With ``fit_bits`` the index is fitted to
+each context at the prefill instead (``hashing.fit_context``): the directions of its query-key product under its
+own query and key moments, the strongest at 4 or 2 bits, each sequence's projections kept (fp16) beside its codes.
 
 Rows that join after compression (generated tokens, a follow-up question, later chunks of a chunked
 prefill) get the base code: their surprisal is not known when they arrive.
