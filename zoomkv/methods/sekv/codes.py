@@ -132,7 +132,7 @@ def score_codes(query: torch.Tensor, codes: torch.Tensor, rms: torch.Tensor, bit
     return parts.reshape(b, h, g, n, nbytes).sum(-1) * rms.float()[..., 0][:, :, None, :]
 
 
-# -- mixed widths: a trained hash whose projections take 4, 2 or 1 bits each (``hash_width``) ------------------
+# -- mixed widths: a hash (trained: ``hash_width``; fitted to the context: ``fit_bits``) at 4, 2 or 1 bits a coordinate
 # A layout ``(n4, n2, n1)``: the first ``n4`` coordinates at 4 bits, the next ``n2`` at 2, the next ``n1`` at 1 (the
 # strongest directions first), each group packed whole bytes after the one before; one RMS over all of them.
 Layout = tuple[int, int, int]
