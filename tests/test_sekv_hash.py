@@ -391,7 +391,8 @@ def test_the_fitted_moments_read_only_the_valid_positions():
     key1, query1, layout1 = fit_context(m1, k, valid, 16)
     key2, query2, layout2 = fit_context(m2, k2, valid, 16)
     assert layout1 == layout2 and layout_bits(layout1) == 16 and key1.shape == (2, H, 16, sum(layout1))
-    torch.testing.assert_close(key1, key2) and torch.testing.assert_close(query1, query2)
+    torch.testing.assert_close(key1, key2)
+    torch.testing.assert_close(query1, query2)
 
 
 def test_a_fitted_index_ranks_an_anisotropic_context_better_than_the_signs():
