@@ -133,8 +133,8 @@ def projections(kind: str, layer: int, keys: torch.Tensor, adapters: dict) -> tu
         sd = var[..., -b:].flip(-1).clamp_min(1e-12).sqrt().float()[:, None, :]
         return top / sd, top * sd
     adapter = adapters[kind]
-    used = sum(adapter.hash_layout[layer])  # the layer's projections (a mixed layout leaves the rest unused)
-    return adapter.hash_key[layer, ..., :used].detach(), adapter.hash_query[layer, ..., :used].detach()
+    key, query = adapter.hash_projections(layer)
+    return key.detach(), query.detach()
 
 
 def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, adapters: dict,

@@ -340,11 +340,9 @@ class SeKV(RecallableMethod):
             return key.half().to(centred.device), query.half().to(centred.device), layout
         if self.adapter is None or not self.adapter.hash_bits:
             return None
-        layout = self.adapter.hash_layout[layer]
-        used = sum(layout)  # the layer's projections (a mixed layout leaves the rest unused)
-        key, query = (p[layer][..., :used].detach().float().contiguous().to(centred.device)
-                      for p in (self.adapter.hash_key, self.adapter.hash_query))
-        return key, query, layout
+        key, query = (p.detach().float().contiguous().to(centred.device)
+                      for p in self.adapter.hash_projections(layer))
+        return key, query, self.adapter.hash_layout[layer]
 
     @torch.no_grad()
     def compress(self, memory, ctx: PrefillContext) -> None:

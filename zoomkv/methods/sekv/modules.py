@@ -122,6 +122,12 @@ class SeKVAdapter(nn.Module):
                 out |= {"hash_width": self.hash_width, "hash_layout": [list(v) for v in self.hash_layout]}
         return out
 
+    def hash_projections(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trained hash's key and query projections of ``layer`` ``[kv_heads, d, m]``: the ``m`` its layout uses
+        (a mixed layout leaves the rest unused)."""
+        used = sum(self.hash_layout[layer])
+        return self.hash_key[layer, ..., :used], self.hash_query[layer, ..., :used]
+
     def rotation_seed_of(self, layer: int) -> int:
         """The seed of layer ``layer``'s fixed rotation (one per layer, shared by its KV heads)."""
         return 7919 * self.rotation_seed + layer

@@ -102,7 +102,7 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     hashed = None
     if adapter.hash_bits:
         layout = adapter.hash_layout[layer]
-        z = torch.matmul(centred, adapter.hash_key[layer][..., :sum(layout)])  # [h, n, m]: the layer's projections
+        z = torch.matmul(centred, adapter.hash_projections(layer)[0])  # [h, n, m]: the layer's projections
         with torch.no_grad():
             coded = decode_layout(*encode_layout(z, layout), layout)
         hashed = coded + (z - z.detach())  # straight-through: the quantizer's gradient taken as the identity's
@@ -120,8 +120,7 @@ def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: tor
         rows = student.rescored
     elif student.hashed is not None:  # anchors from their finer codes, every other row from the trained hash
         a = student.anchor[None, None, :]
-        hashed_q = torch.matmul(query.float().view(h, -1, d),
-                                adapter.hash_query[layer][..., :student.hashed.shape[-1]])  # [h, g, m]
+        hashed_q = torch.matmul(query.float().view(h, -1, d), adapter.hash_projections(layer)[1])  # [h, g, m]
         base = torch.matmul(hashed_q, student.hashed.transpose(-1, -2))
         return (a * torch.matmul(q, student.fine.transpose(-1, -2)) + (1 - a) * base) * scaling
     else:

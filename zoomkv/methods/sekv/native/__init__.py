@@ -19,6 +19,7 @@ import torch
 
 from zoomkv.memory.quant import ChannelQuantizedRowBuffer, QuantizedRowBuffer
 from zoomkv.memory.tiers import RowBuffer
+from zoomkv.methods.sekv.codes import layout_bits
 from zoomkv.native import Kernel, enabled, torch_path
 from zoomkv.protocol.phases import clock_running, phase
 from zoomkv.protocol.recallable import reserve_recall_buffer
@@ -163,8 +164,8 @@ class NativeLayer:
         if "hash_key" in dev:  # a hash index: [heads, d, m] projections of keys and queries ([batch, ...]: fitted)
             self.held += [dev["hash_key"].float().contiguous(), dev["hash_query"].float().contiguous()]
             layout = memory.meta["hash_layout"]
-            a.hash_bits, a.hash_key, a.hash_query = 4 * layout[0] + 2 * layout[1] + layout[2], \
-                self.held[-2].data_ptr(), self.held[-1].data_ptr()
+            a.hash_bits, a.hash_key, a.hash_query = layout_bits(layout), self.held[-2].data_ptr(), \
+                self.held[-1].data_ptr()
             a.hash_layout[:] = layout
             a.hash_per_sequence = int(self.held[-1].dim() == 4)
         if "anchor_pos" in dev and dev["anchor_pos"].shape[1]:

@@ -572,6 +572,9 @@ struct Layer {
   // projections are each sequence's own ([batch, heads, d, m], fitted to the context) or the heads' ([heads, d, m])
   int64_t hash_layout[3];
   int64_t hash_per_sequence;
+
+  // the hash's projections: its layout's coordinates
+  int64_t hash_coords() const { return hash_layout[0] + hash_layout[1] + hash_layout[2]; }
 };
 
 // One key's hash codes: its m = n4 + n2 + n1 projections (key - mean) @ proj ([d, m]), over their RMS, quantized at
@@ -644,7 +647,7 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   const int64_t block = rows_at_once(group, n);
   s.logits.resize(block * n);
   if (a.hash_bits) {
-    const int64_t nb = a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2];  // the projections
+    const int64_t nb = a.hash_coords();
     s.qh.assign(group * nb, 0.0f);
     const float* proj = a.hash_query + (a.hash_per_sequence ? bh : h) * d * nb;
     for (int64_t g = 0; g < group; ++g) {
@@ -661,8 +664,7 @@ void select_head(const Layer& a, int64_t bh, Scratch& s, int64_t* dst) {
   for (int64_t g0 = 0; g0 < group; g0 += block) {
     const int64_t rows = std::min(block, group - g0);
     if (a.hash_bits) {
-      Scorer scorer(s.qh.data() + g0 * (a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2]), rows,
-                    a.hash_layout);
+      Scorer scorer(s.qh.data() + g0 * a.hash_coords(), rows, a.hash_layout);
       scorer.reserve(n);
       scorer.score_rows(a.codes + bh * a.codes_cap * scorer.nbytes(), a.rms + bh * a.rms_cap, nullptr, n, scaling,
                         s.logits.data());
@@ -814,9 +816,7 @@ void append_rows(const Layer& a, const float* keys, const float* values, int64_t
       const float* value = values + (bh * rows + r) * dv;
       encode_row(key, a.mean + bh * d, a.rotation, d, out, bh, a.n + r);
       if (a.hash_bits)
-        encode_hash_row(key, a.mean + bh * d,
-                        a.hash_key + (a.hash_per_sequence ? bh : bh % a.heads) * d *
-                                         (a.hash_layout[0] + a.hash_layout[1] + a.hash_layout[2]),
+        encode_hash_row(key, a.mean + bh * d, a.hash_key + (a.hash_per_sequence ? bh : bh % a.heads) * d * a.hash_coords(),
                         d, a.hash_layout, a.codes + (bh * a.codes_cap + a.n + r) * (a.hash_bits / 8),
                         a.rms + bh * a.rms_cap + a.n + r);
       if (host_keys) std::memcpy(host_keys + (bh * a.keys.cap + a.n + r) * d, key, d * 4);
