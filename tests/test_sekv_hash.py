@@ -55,17 +55,26 @@ def test_the_compiled_step_scores_the_hash_as_the_torch_path_does(config, d, bit
     assert memory.device_tier["codes"].view().shape[-1] == bits // 8
 
 
-@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
-def test_the_compiled_append_writes_the_hash_codes_of_the_torch_append(config):
+def _appended_codes(prefilled) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The index's codes and RMS after 1, 3 and 1 new rows, appended by torch and by the compiled step, each on a
+    fresh ``prefilled()`` (a method and its memory after the prefill, and a generator)."""
     views = []
     for torch_path in (True, False):
-        method = SeKV(adapter=_hashed(config, 64, 32))
-        memory, g = _memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
+        method, memory, g = prefilled()
         with native.torch_path() if torch_path else torch.no_grad():
             for rows in (1, 3, 1):
                 method.append(memory, torch.randn(2, H, rows, 64, generator=g), torch.randn(2, H, rows, 64, generator=g))
         views.append((memory.device_tier["codes"].view().clone(), memory.device_tier["code_rms"].view().clone()))
-    (codes0, rms0), (codes1, rms1) = views
+    return views
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
+def test_the_compiled_append_writes_the_hash_codes_of_the_torch_append(config):
+    def prefilled():
+        method = SeKV(adapter=_hashed(config, 64, 32))
+        return method, *_memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
+
+    (codes0, rms0), (codes1, rms1) = _appended_codes(prefilled)
     assert codes0.shape == codes1.shape == (2, H, 125, 4)
     assert (codes0 != codes1).float().mean() < 1e-2  # a projection at 0 may round the other way
     torch.testing.assert_close(rms0.float(), rms1.float(), rtol=2e-3, atol=1e-4)
@@ -500,19 +509,14 @@ def test_the_compiled_step_reads_mixed_widths_and_fitted_codes_as_torch_does(con
 @pytest.mark.skipif(native.library() is None, reason="no C++ compiler: the torch path is all there is")
 @pytest.mark.parametrize("index", ["mixed", "fit32"])
 def test_the_compiled_append_writes_mixed_codes_of_the_torch_append(config, index):
-    views = []
-    for torch_path in (True, False):
+    def prefilled():
         if index == "mixed":
             method = SeKV(adapter=_mixed(config))
-            memory, g = _memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
-        else:
-            method = SeKV(fit_bits=32)
-            memory, g = _fitted_memory(config, method, t=120, budget=40, seed=8)
-        with native.torch_path() if torch_path else torch.no_grad():
-            for rows in (1, 3, 1):
-                method.append(memory, torch.randn(2, H, rows, 64, generator=g), torch.randn(2, H, rows, 64, generator=g))
-        views.append((memory.device_tier["codes"].view().clone(), memory.device_tier["code_rms"].view().clone()))
-    (codes0, rms0), (codes1, rms1) = views
+            return method, *_memory(config, method, t=120, budget=40, seed=8, batch=2, d=64)
+        method = SeKV(fit_bits=32)
+        return method, *_fitted_memory(config, method, t=120, budget=40, seed=8)
+
+    (codes0, rms0), (codes1, rms1) = _appended_codes(prefilled)
     assert codes0.shape == codes1.shape == (2, H, 125, 4)
     assert (codes0 != codes1).float().mean() < 2e-2  # a projection at a level's edge may round the other way
     torch.testing.assert_close(rms0.float(), rms1.float(), rtol=2e-3, atol=1e-4)
