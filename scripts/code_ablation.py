@@ -2,14 +2,19 @@
 
 For held-out prompts (an eval task on a haystack, built as ``zoomkv eval`` builds them), the frozen model reads the
 whole prompt once; at the last ``--queries`` positions (the question and the answer's start: the queries a
-query-agnostic cache is asked with) the teacher's attention over every row is kept, per layer. Each coding then
+query-agnostic cache is asked with) the teacher's attention over every row is kept, per layer. With ``--answer``
+the model reads the prompt and then the expected answer (teacher forcing), and the queries are the decode steps'
+that write it: the answer's tokens are each read from rows the question's own queries may not weigh (a number
+begun right and finished wrong is lost there, not at the question). Each coding then
 estimates every row's logit from its codes alone, the router's group vote picks the best rows of the budget
 (sinks and recent rows always in, as inference), and the table reports
 
 - **mass**: the teacher attention (mean over the group's query heads) on the rows picked, sinks and recent included;
 - **recall**: the share of the teacher's own top rows (the same count, outside sinks and recent rows) picked;
 - **mass, two stages**: ``--candidates`` x the rows by the codes, then the best by the exact key (sekv's
-  ``rescore_from=host``: what the default adapter does), which needs the codes to find candidates only.
+  ``rescore_from=host``: what the default adapter does), which needs the codes to find candidates only;
+- **top row kept**: the share of (KV head, query) pairs whose teacher's single most attended row (outside sinks and
+  recent rows) the two stages keep: a needle's next digit is one row, which the mass barely weighs.
 
 Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
 
@@ -53,11 +58,13 @@ from zoomkv.methods.sekv.codes import decode, decode_layout, encode, encode_layo
 from zoomkv.methods.sekv.hashing import fit_layout  # noqa: E402
 
 QUESTION = 64  # the prompt's last positions left out of the context's query moment (qfit)
+METRICS = ("mass", "recall", "two_stage", "top_row")  # what selection_scores returns, in its order
 
 
-def extract(model, ids: torch.Tensor, queries: int) -> dict[str, torch.Tensor]:
+def extract(model, ids: torch.Tensor, queries: int, appended: int = 0) -> dict[str, torch.Tensor]:
     """Per layer: post-RoPE keys ``[h, T, d]`` (fp16), the last ``queries`` positions' queries ``[hq, Q, d]``, the
-    teacher's attention there ``[hq, Q, T]``, and the context's query moment per KV head ``[h, d, d]`` (qfit)."""
+    teacher's attention there ``[hq, Q, T]``, and the context's query moment per KV head ``[h, d, d]`` (qfit: over the
+    prompt but its last ``QUESTION`` positions, ``appended`` answer tokens after it left out too)."""
     from zoomkv.memory.replay import record_prefill
 
     with torch.inference_mode():
@@ -74,7 +81,7 @@ def extract(model, ids: torch.Tensor, queries: int) -> dict[str, torch.Tensor]:
         out[f"q.{layer}"] = q.contiguous()
         out[f"attn.{layer}"] = torch.softmax(logits, -1).half()
         out["scaling"] = torch.tensor(ctx.scaling)
-        context = ctx.queries[0][:, : t - QUESTION].double()
+        context = ctx.queries[0][:, : t - appended - QUESTION].double()
         context = context.reshape(k.shape[0], -1, context.shape[-1])  # a KV head's group: its query heads' rows
         out[f"qm.{layer}"] = (context.transpose(-1, -2) @ context / context.shape[1]).float().contiguous()
     return out
@@ -98,8 +105,14 @@ def build_prompts(args) -> list[tuple[str, int, torch.Tensor]]:
             if not path.is_file():
                 sample = builder.build(task, args.length, i)
                 ids = tokenizer(fmt.sample_text(sample), add_special_tokens=False, return_tensors="pt")["input_ids"]
+                queries = args.queries
+                if args.answer:  # the decode steps that write the first answer: the prompt's last position, then
+                    # each answer token but the last (the step after it writes nothing scored)
+                    answer = tokenizer(" " + sample.answers[0], add_special_tokens=False,
+                                       return_tensors="pt")["input_ids"]
+                    ids, queries = torch.cat([ids, answer[:, :-1]], 1), answer.shape[1]
                 torch.set_num_threads(args.threads)
-                tensors = extract(model, ids, args.queries)
+                tensors = extract(model, ids, queries, appended=queries - 1 if args.answer else 0)
                 save_file(tensors, str(path.with_suffix(".tmp")))
                 path.with_suffix(".tmp").replace(path)
                 print(f"teacher {path.name}: {ids.shape[1]} tokens", flush=True)
@@ -168,8 +181,9 @@ def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, 
 
 
 def selection_scores(logits: torch.Tensor, teacher: torch.Tensor, budget: int, sinks: int, recent: int,
-                     candidates: float, exact: torch.Tensor) -> tuple[float, float, float]:
-    """One query position: ``logits`` / ``teacher`` / ``exact`` ``[h, g, n]`` → (mass, recall, two-stage mass)."""
+                     candidates: float, exact: torch.Tensor) -> tuple[float, float, float, float]:
+    """One query position: ``logits`` / ``teacher`` / ``exact`` ``[h, g, n]`` → (mass, recall, two-stage mass, top
+    row kept by the two stages)."""
     h, g, n = teacher.shape
     region = torch.zeros(n, dtype=torch.bool)
     region[sinks: n - recent] = True
@@ -188,16 +202,19 @@ def selection_scores(logits: torch.Tensor, teacher: torch.Tensor, budget: int, s
     exact_vote = torch.softmax(exact, -1).sum(1).gather(-1, cand)
     chosen = cand.gather(-1, exact_vote.topk(rows, -1).indices)
     two = fixed + a.gather(-1, chosen).sum(-1)
-    return float(mass.mean()), float(recall.mean()), float(two.mean())
+    first = best[:, :1]  # [h, 1]: the teacher's top row in the region
+    kept = (chosen == first).any(-1).float()
+    return float(mass.mean()), float(recall.mean()), float(two.mean()), float(kept.mean())
 
 
 def evaluate(paths, kinds: list[str], adapters: dict, args) -> dict:
-    result: dict[str, dict] = {kind: {"mass": {}, "recall": {}, "two_stage": {}, "per_prompt": []} for kind in kinds}
+    result: dict[str, dict] = {kind: {"mass": {}, "recall": {}, "two_stage": {}, "top_row": {}, "per_prompt": []}
+                               for kind in kinds}
     for task, i, path in paths:
         tensors = load_file(str(path))
         scaling = float(tensors["scaling"])
         layers = sorted(int(k.split(".")[1]) for k in tensors if k.startswith("k."))
-        sums = {kind: [0.0, 0.0, 0.0] for kind in kinds}
+        sums = {kind: [0.0] * len(METRICS) for kind in kinds}
         for pos, layer in enumerate(layers):
             keys = tensors[f"k.{layer}"].float()
             queries = tensors[f"q.{layer}"].float()  # [hq, Q, d]
@@ -211,13 +228,12 @@ def evaluate(paths, kinds: list[str], adapters: dict, args) -> dict:
                 got = [selection_scores(est[:, :, j, :upto], attn[:, :, j, :upto], args.budget, args.sinks,
                                         args.recent, args.candidates, exact[:, :, j, :upto])
                        for j, upto in enumerate(seen)]
-                for slot, name in enumerate(("mass", "recall", "two_stage")):
+                for slot, name in enumerate(METRICS):
                     value = sum(x[slot] for x in got) / len(got)
                     result[kind][name].setdefault(str(pos), []).append(value)
                     sums[kind][slot] += value / len(layers)
         for kind in kinds:
-            result[kind]["per_prompt"].append({"task": task, "index": i, "mass": sums[kind][0],
-                                               "recall": sums[kind][1], "two_stage": sums[kind][2]})
+            result[kind]["per_prompt"].append({"task": task, "index": i, **dict(zip(METRICS, sums[kind], strict=True))})
         print(f"{path.name}: " + ", ".join(f"{k} {sums[k][0]:.3f}" for k in kinds), flush=True)
     return result
 
@@ -232,19 +248,21 @@ def interval(values: list[float]) -> tuple[float, float]:
 
 def table(result: dict, kinds: list[str], reference: str, bits: dict[str, int]) -> str:
     lines = ["| coding | bits a row | device bytes a row | mass (95% CI) | recall of top rows | mass, two stages "
-             f"| layers at or above `{reference}`'s mass |", "|---|---|---|---|---|---|---|"]
+             f"| top row kept, two stages | layers at or above `{reference}`'s mass |", "|---|---|---|---|---|---|---|---|"]
     ref = result[reference]["mass"]
     for kind in kinds:
         r = result[kind]
         mass = interval([p["mass"] for p in r["per_prompt"]])
         recall = interval([p["recall"] for p in r["per_prompt"]])
         two = interval([p["two_stage"] for p in r["per_prompt"]])
+        top = interval([p.get("top_row", float("nan")) for p in r["per_prompt"]])
         layer_means = {layer: sum(v) / len(v) for layer, v in r["mass"].items()}
         ref_means = {layer: sum(v) / len(v) for layer, v in ref.items()}
         above = sum(layer_means[layer] >= ref_means[layer] - 1e-9 for layer in layer_means)
         size = "–" if kind == "exact" else bits[kind] // 8 + 2
         lines.append(f"| {kind} | {bits[kind]} | {size} | {mass[0]:.3f} ± {mass[1]:.3f} | "
-                     f"{recall[0]:.3f} ± {recall[1]:.3f} | {two[0]:.3f} ± {two[1]:.3f} | {above} / {len(layer_means)} |")
+                     f"{recall[0]:.3f} ± {recall[1]:.3f} | {two[0]:.3f} ± {two[1]:.3f} | {top[0]:.3f} ± {top[1]:.3f} | "
+                     f"{above} / {len(layer_means)} |")
     return "\n".join(lines)
 
 
@@ -256,6 +274,8 @@ def main() -> None:
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--samples", type=int, default=20, help="prompts per task")
     p.add_argument("--queries", type=int, default=8, help="query positions per prompt (the prompt's last)")
+    p.add_argument("--answer", action="store_true", help="the queries of the decode steps that write the expected "
+                                                         "answer (teacher forcing), not the prompt's last positions")
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
@@ -287,8 +307,9 @@ def main() -> None:
         bits[label] = modules.hash_bits or d
     result = evaluate(paths, kinds, adapters, args)
     text = table(result, kinds, "sign", bits)
-    header = (f"{len(paths)} prompts ({args.tasks} at {args.length} tokens over {args.haystack}), the last "
-              f"{args.queries} positions of each, B={args.budget}, {args.model}")
+    at = "the decode steps writing each answer" if args.answer else f"the last {args.queries} positions of each"
+    header = (f"{len(paths)} prompts ({args.tasks} at {args.length} tokens over {args.haystack}), {at}, "
+              f"B={args.budget}, {args.model}")
     print(header + "\n\n" + text)
     out = Path(args.out)
     (out / "table.md").write_text(header + "\n\n" + text + "\n", encoding="utf-8")

@@ -176,13 +176,13 @@ def test_a_bad_recipe_width_is_one_line(tmp_path, capsys):
 
 def test_the_ablation_script_ranks_every_coding(tmp_path, monkeypatch):
     """``scripts/code_ablation.py`` on a tiny model: every coding gets a mass and a recall in [0, 1], and the exact
-    keys as a 'coding' (two stages with every row a candidate) capture the most."""
+    keys as a 'coding' keep the teacher's top row at every step."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import code_ablation
 
     model, _ = load_model("tiny-llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
-    tensors = code_ablation.extract(model, ids, queries=3)
+    tensors = code_ablation.extract(model, ids, queries=3, appended=2)  # as --answer: 2 answer tokens read
     path = tmp_path / "p.safetensors"
     from safetensors.torch import save_file
 
@@ -191,13 +191,15 @@ def test_the_ablation_script_ranks_every_coding(tmp_path, monkeypatch):
              model.config.hidden_size // model.config.num_attention_heads)
     adapters = {"trained:x": SeKVAdapter(*shape, hash_bits=8),
                 "trained:w": SeKVAdapter(*shape, hash_bits=8, hash_width=4, hash_layout=[[2, 0, 0]] * shape[0])}
-    kinds = ["sign", "simhash-8", "orth-8", "pca-8", "qfit-8", "trained:x", "trained:w"]
+    kinds = ["exact", "sign", "simhash-8", "orth-8", "pca-8", "qfit-8", "trained:x", "trained:w"]
     args = type("A", (), {"budget": 48, "sinks": 4, "recent": 16, "candidates": 4.0})()
     result = code_ablation.evaluate([("t", 0, path)], kinds, adapters, args)
     for kind in kinds:
         prompt = result[kind]["per_prompt"][0]
         assert 0 < prompt["mass"] <= 1 and 0 <= prompt["recall"] <= 1
         assert prompt["two_stage"] >= prompt["mass"] - 0.05  # exact rescoring of candidates loses little
+        assert 0 <= prompt["top_row"] <= 1
+    assert result["exact"]["per_prompt"][0]["top_row"] == 1.0  # the keys themselves keep the teacher's top row
     table = code_ablation.table(result, kinds, "sign", {k: 8 for k in kinds})
     assert table.count("\n") == len(kinds) + 1
 
