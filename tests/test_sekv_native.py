@@ -6,11 +6,14 @@ be built."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from tests.helpers import greedy, load_tiny, max_logit_diff, padded_batch
 from zoomkv import ZoomCache
@@ -327,3 +330,21 @@ def test_the_compiled_step_follows_buffers_that_grow_or_change_hands(config, kv_
             _assert_same(*_both(method, memory, torch.randn(2, H * G, 1, D, generator=g)))
     assert memory.host_tier["keys"].length == 350
     assert memory.meta["native_layer"].args.n == 350
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """torch guards an extension's build with a bare file that a killed process leaves behind (Ctrl-C during the
+    first build), after which every load waited on it forever at 0% CPU. zoomkv's own flock, held while it loads,
+    tells that file stale: the next process builds and runs."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "answer.cpp"
+    source.write_text('extern "C" int answer() { return 42; }\n')
+    kernel = zoomkv_native.Kernel(source, "a test kernel", {"answer": ([], ctypes.c_int)})
+    folder = Path(cpp_extension._get_build_directory(kernel.name(), verbose=False))
+    (folder / zoomkv_native.TORCH_BATON).touch()  # what a build killed midway leaves
+    built: list = []
+    worker = threading.Thread(target=lambda: built.append(kernel.library()), daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert built, "the load waited on a stale build lock"
+    assert built[0] is not None and built[0].answer() == 42

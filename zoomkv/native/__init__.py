@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 HEADERS = Path(__file__).parent  # half.h: fp16 conversions as torch rounds them
+BUILD_LOCK = "zoomkv.flock"  # in a build's folder: held while zoomkv loads or builds it
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's own guard in that folder
 _disabled = threading.local()
 
 
@@ -82,11 +84,21 @@ class Kernel:
         return f"zoomkv_{self.source.stem}_{h.hexdigest()[:12]}"
 
     def _build(self) -> ctypes.CDLL:
+        from filelock import FileLock
         from torch.utils import cpp_extension
 
-        path = cpp_extension.load(name=self.name(), sources=[str(self.source)], extra_cflags=flags(self.fast_math),
-                                  extra_ldflags=openmp(), extra_include_paths=[str(HEADERS)],
-                                  is_python_module=False, verbose=False)
+        name = self.name()
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        # torch guards a build with a bare file (its "baton") that a killed process leaves behind, and every later
+        # load then waits on it forever, silently. Each zoomkv build of this name first holds a flock the kernel
+        # lets go of however the holder ends, so while it is held here no live build owns the baton: one found is
+        # stale, and goes.
+        with FileLock(str(folder / BUILD_LOCK)):
+            with contextlib.suppress(FileNotFoundError):
+                (folder / TORCH_BATON).unlink()
+            path = cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=flags(self.fast_math),
+                                      extra_ldflags=openmp(), extra_include_paths=[str(HEADERS)],
+                                      build_directory=str(folder), is_python_module=False, verbose=False)
         lib = ctypes.CDLL(str(path))
         for fn, (args, res) in self.signatures.items():
             getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
