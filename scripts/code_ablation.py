@@ -30,6 +30,7 @@ Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
   second moments of the context's queries (every position but the last 64: the question and the answer's start)
   and of its centred keys, ``B`` bits spread over them at 4, 2 and 1 bits a coordinate by their weight
   (``zoomkv.methods.sekv.hashing.fit_layout``: the fit a ``hash_width: 4`` adapter makes on its training cache);
+  ``qfit1-B``: the same fit at one bit a coordinate, over ``B`` directions (``fit_width=1`` of sekv);
 - ``trained-B`` / the adapter's name: an adapter's trained hash (``hash_bits``: its key and query projections; with
   ``hash_width`` above one, its layout of 4-, 2- and 1-bit coordinates).
 
@@ -156,14 +157,14 @@ def estimates(kind: str, layer: int, keys: torch.Tensor, queries: torch.Tensor, 
     h, n, d = keys.shape
     if kind == "exact":  # the keys themselves: exact top-B, the selection's upper bound (oracle_topk)
         return torch.matmul(queries.view(h, -1, d), keys.transpose(-1, -2)).view(h, -1, queries.shape[1], n)
-    if kind.startswith("qfit-"):
+    if kind.startswith(("qfit-", "qfit1-")):
         if query_moment is None:
             raise SystemExit("qfit needs the context's query moment: this teacher cache predates it (delete its "
                              "folder, --out/teacher, to extract it again)")
-        bits = int(kind.partition("-")[2])
+        name, _, bits = kind.partition("-")
         x = keys - keys.mean(1, keepdim=True)
         pk, pq, (layout,) = fit_layout(query_moment.double()[None], (x.transpose(-1, -2) @ x / n).double()[None],
-                                       bits, 4, min(d, bits))
+                                       int(bits), 1 if name == "qfit1" else 4, min(d, int(bits)))
         used = sum(layout)
         rows = decode_layout(*encode_layout(torch.matmul(x, pk[0, ..., :used]), layout), layout)
         q = torch.matmul(queries.view(h, -1, d), pq[0, ..., :used])
@@ -296,7 +297,7 @@ def main() -> None:
     d = next(v for k, v in probe.items() if k.startswith("k.")).shape[-1]
     bits["sign"], bits["exact"] = d, 16 * d  # exact: the fp16 key (no index bytes: it reads the host rows)
     for b in (int(x) for x in args.bits.split(",") if x):
-        for name in ("simhash", "orth", "pca", "qfit"):
+        for name in ("simhash", "orth", "pca", "qfit", "qfit1"):
             kinds.append(f"{name}-{b}")
             bits[f"{name}-{b}"] = b
     for path in args.adapter:
