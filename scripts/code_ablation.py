@@ -30,7 +30,7 @@ Codings (every one also keeps each row's fp16 RMS, as sekv's index does):
   second moments of the context's queries (every position but the last 64: the question and the answer's start)
   and of its centred keys, ``B`` bits spread over them at 4, 2 and 1 bits a coordinate by their weight
   (``zoomkv.methods.sekv.hashing.fit_layout``: the fit a ``hash_width: 4`` adapter makes on its training cache);
-  ``qfit1-B``: the same fit at one bit a coordinate, over ``B`` directions (``fit_width=1`` of sekv);
+  ``qfit1-B``: the same fit at one bit a coordinate, over ``B`` directions (measured only here: it ranks worse);
 - ``trained-B`` / the adapter's name: an adapter's trained hash (``hash_bits``: its key and query projections; with
   ``hash_width`` above one, its layout of 4-, 2- and 1-bit coordinates).
 
@@ -102,7 +102,8 @@ def build_prompts(args) -> list[tuple[str, int, torch.Tensor]]:
     found = []
     for task in args.tasks.split(","):
         for i in range(args.samples):
-            path = folder / f"{task}_{args.length}_{i:03d}.safetensors"
+            # the mode in the name: a folder extracted at the question's queries is not read as the answer's
+            path = folder / f"{task}_{args.length}_{i:03d}{'_answer' if args.answer else ''}.safetensors"
             if not path.is_file():
                 sample = builder.build(task, args.length, i)
                 ids = tokenizer(fmt.sample_text(sample), add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -256,7 +257,7 @@ def table(result: dict, kinds: list[str], reference: str, bits: dict[str, int]) 
         mass = interval([p["mass"] for p in r["per_prompt"]])
         recall = interval([p["recall"] for p in r["per_prompt"]])
         two = interval([p["two_stage"] for p in r["per_prompt"]])
-        top = interval([p.get("top_row", float("nan")) for p in r["per_prompt"]])
+        top = interval([p["top_row"] for p in r["per_prompt"]])
         layer_means = {layer: sum(v) / len(v) for layer, v in r["mass"].items()}
         ref_means = {layer: sum(v) / len(v) for layer, v in ref.items()}
         above = sum(layer_means[layer] >= ref_means[layer] - 1e-9 for layer in layer_means)
