@@ -107,14 +107,14 @@ def build_prompts(args) -> list[tuple[str, int, torch.Tensor]]:
             if not path.is_file():
                 sample = builder.build(task, args.length, i)
                 ids = tokenizer(fmt.sample_text(sample), add_special_tokens=False, return_tensors="pt")["input_ids"]
-                queries = args.queries
+                queries, appended = args.queries, 0
                 if args.answer:  # the decode steps that write the first answer: the prompt's last position, then
                     # each answer token but the last (the step after it writes nothing scored)
                     answer = tokenizer(" " + sample.answers[0], add_special_tokens=False,
                                        return_tensors="pt")["input_ids"]
-                    ids, queries = torch.cat([ids, answer[:, :-1]], 1), answer.shape[1]
+                    ids, queries, appended = torch.cat([ids, answer[:, :-1]], 1), answer.shape[1], answer.shape[1] - 1
                 torch.set_num_threads(args.threads)
-                tensors = extract(model, ids, queries, appended=queries - 1 if args.answer else 0)
+                tensors = extract(model, ids, queries, appended=appended)
                 save_file(tensors, str(path.with_suffix(".tmp")))
                 path.with_suffix(".tmp").replace(path)
                 print(f"teacher {path.name}: {ids.shape[1]} tokens", flush=True)

@@ -13,6 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zoomkv.atomic import write_file_atomically  # noqa: E402
+
 LICENCES = ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0")
 SOURCE = Path("/usr/share/common-licenses")  # Debian's base-files
 
@@ -27,9 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"licence_haystack: {args.source} lacks {', '.join(missing)} (Debian's base-files ships them)",
               file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join((args.source / name).read_text(encoding="utf-8") for name in LICENCES),
-                        encoding="utf-8")
+    text = "".join((args.source / name).read_text(encoding="utf-8") for name in LICENCES)
+    if args.out.exists():  # another file of that name is not this script's to replace
+        if args.out.is_file() and args.out.read_text(encoding="utf-8", errors="replace") == text:
+            print(f"{args.out} holds the haystack already")
+            return 0
+        print(f"licence_haystack: {args.out} exists and is not this haystack; name another file", file=sys.stderr)
+        return 2
+    write_file_atomically(args.out, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     print(f"wrote {args.out}")
     return 0
 
