@@ -5,8 +5,8 @@ prompts and splits what sekv adds: the token surprisal (the LM head over every p
 compression after it, and the host rows' storing within that (where a quantized host tier codes its rows).
 BENCHMARKS.md, "4K, batch 4, and the prefill with a quantized host tier":
 
-    python scripts/prefill_phases.py --batch-size 4 --length 4096 \\
-        checkpoints/sekv-smollm2-quickstart/adapter checkpoints/sekv-smollm2-k8v4/adapter
+    python scripts/prefill_phases.py --batch-size 4 --length 4096 checkpoints/sekv-smollm2-fp32/adapter \\
+        checkpoints/sekv-smollm2-quickstart/adapter checkpoints/sekv-smollm2-kivi4g64/adapter
 """
 
 from __future__ import annotations

@@ -43,6 +43,37 @@ def test_the_table_shows_tokens_per_second_and_no_audit_column_unasked(capsys):
     assert "decode tok/s" in out and "syncs/step" not in out
 
 
+def test_the_header_names_the_processor_and_threads(capsys, monkeypatch):
+    """A time is read with its machine: the header and the JSON say which processor ran it, with how many threads."""
+    import torch
+
+    from zoomkv import bench
+
+    monkeypatch.setattr(bench, "processor_name", lambda device: "Test CPU 9000")
+    run_bench(_args("--methods", "full", "--budgets", "48"))
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"on cpu (Test CPU 9000, {torch.get_num_threads()} threads) in float32" in header
+    run_bench(_args("--methods", "full", "--budgets", "48", "--json"))
+    report = json.loads(capsys.readouterr().out)
+    assert report["processor"] == "Test CPU 9000" and report["threads"] == torch.get_num_threads()
+
+
+def test_the_processor_name_is_the_cpus_own():
+    import torch
+
+    from zoomkv.bench import processor_name
+
+    name = processor_name(torch.device("cpu"))
+    assert name and "\n" not in name
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            listed = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        listed = []
+    if listed:
+        assert name == listed[0]
+
+
 def test_a_batch_of_none_is_refused():
     with pytest.raises(ZoomKVError, match="--batch-size"):
         run_bench(_args("--batch-size", "0"))

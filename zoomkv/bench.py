@@ -178,12 +178,14 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     rows = [r if r is not None else _out_of_memory_row(configs[i], batch, measured) for i, r in enumerate(rows)]
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
+                          "processor": processor_name(model.device), "threads": torch.get_num_threads(),
                           "dtype": str(model.dtype).removeprefix("torch."), "length": args.length, "new_tokens": args.new_tokens,
                           "repeats": args.repeats, "batch_size": batch, "rows": rows}))
     else:
         weights = " (random weights: timing only)" if random_weights else ""
         tokens = next(r["prompt_tokens"] for r in rows if not r["out_of_memory"])
-        print(f"model {args.model}{weights} on {model.device} in {str(model.dtype).removeprefix('torch.')}, "
+        print(f"model {args.model}{weights} on {model.device} ({_machine(model.device)}) in "
+              f"{str(model.dtype).removeprefix('torch.')}, "
               f"prompt {tokens} tokens" + (f" x {batch} sequences" if batch > 1 else "")
               + f", {args.new_tokens} new tokens, median of {args.repeats} interleaved runs")
         print()
@@ -301,6 +303,30 @@ def _out_of_memory_row(run: RunSpec | None, batch: int, measured: dict[str, Any]
             "budget": None if run is None else run.budget,
             "prefill_chunk": None if run is None else run.cache.prefill_chunk, "batch_size": batch,
             "out_of_memory": True}
+
+
+def processor_name(device: torch.device) -> str:
+    """What runs the model: the GPU's name, or the CPU's model name (Linux's /proc/cpuinfo; else the platform's).
+
+    Printed above every bench table: the same code times differently on another processor (sekv's prefill
+    surprisal at 4K x 4 took 1.4 s on one dev machine, 2.7 s on another), so a time is read with its machine.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def _machine(device: torch.device) -> str:
+    name = processor_name(device)
+    return name if device.type == "cuda" else f"{name}, {torch.get_num_threads()} threads"
 
 
 def _name(run: RunSpec | None, budget: bool = True) -> str:
