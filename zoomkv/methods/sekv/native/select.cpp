@@ -26,7 +26,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -352,6 +352,32 @@ struct HostRows {
       const int64_t block = bh * scale_cap + row / group;
       const uint16_t* sc = scale + block * d;
       const uint16_t* mn = lo + block * d;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+      // eight channels at a time: their codes shifted out of one word, their fp16 scales and minima converted
+      // in one instruction each (one scalar conversion per number read: kivi4g64's selection took 26.5 ms a
+      // step of 4 sequences at 4K against k8v4's 17.9, whose scales are one per group of a row)
+      if (d % 8 == 0) {
+        const __m256i shifts = _mm256_setr_epi32(0, int(bits), int(2 * bits), int(3 * bits), int(4 * bits),
+                                                 int(5 * bits), int(6 * bits), int(7 * bits));
+        const __m256i low_bits = _mm256_set1_epi32(int(mask));
+        for (int64_t i = 0; i < d; i += 8) {
+          __m256i codes;
+          if (bits == 8) {
+            int64_t word;
+            std::memcpy(&word, c + i, 8);
+            codes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
+          } else {  // eight codes of `bits` bits fill `bits` bytes
+            uint32_t word = 0;
+            std::memcpy(&word, c + i / per, size_t(bits));
+            codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), low_bits);
+          }
+          const __m256 step = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + i)));
+          const __m256 least = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + i)));
+          _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), step, least));
+        }
+        return;
+      }
+#endif
       for (int64_t i = 0; i < d; ++i) {
         const unsigned code = (c[i / per] >> (bits * (i % per))) & mask;
         out[i] = float(code) * half_to_float(sc[i]) + half_to_float(mn[i]);
