@@ -228,7 +228,8 @@ def tables(out: str, quick: bool) -> list[Table]:
             f"zoomkv bench --model {MODEL} --length 4096 --methods full --adapter {FP32} --adapter {K8V4} "
             f"--adapter {KIVI4G64} --budgets 128 --batch-size 4 --new-tokens 16 --repeats 3 --no-warmup --profile",
             f"python scripts/prefill_phases.py --batch-size 4 --length 4096 {FP32} {K8V4} {KIVI4G64}",
-            f"ZOOMKV_NATIVE=0 python scripts/prefill_phases.py --batch-size 4 --length 4096 --repeats 1 {K8V4} {KIVI4G64}"],
+            f"ZOOMKV_NATIVE=0 python scripts/prefill_phases.py --batch-size 4 --length 4096 --repeats 1 {K8V4} {KIVI4G64}",
+            "python scripts/select_step.py --batch-size 4 --rows 4074 --formats none,k8v4,kivi4g64"],
             ["quickstart", "sekv-smollm2-fp32", "sekv-smollm2-kivi4g64"]),
         Table("protocols", "RULER's niah families at 4K, both protocols", [
             f"zoomkv eval --model {MODEL} --methods {every} --adapter {K8V4} --budgets 128,256 --tasks {niah} "
