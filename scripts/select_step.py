@@ -7,7 +7,7 @@ shape (3 KV heads of 64 channels, 3 queries a head), compressed once, then ``sel
 process CPU time on one thread (so other jobs on the machine move it less than wall time). BENCHMARKS.md, "4K,
 batch 4, and the prefill with a quantized host tier":
 
-    python scripts/select_step.py --batch-size 4 --rows 4074 --formats k8v4,kivi4g64
+    python scripts/select_step.py --batch-size 4 --rows 4074 --formats none,k8v4,kivi4g64
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def layer(config, kv_quant: str | None, batch: int, rows: int, budget: int, seed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="k8v4,kivi4g64", help="host formats, comma-separated (none: fp32)")
+    parser.add_argument("--formats", default="none,k8v4,kivi4g64", help="host formats, comma-separated (none: fp32)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rows", type=int, default=4074, help="context rows per KV head")
     parser.add_argument("--budget", type=int, default=128)
