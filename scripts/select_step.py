@@ -18,6 +18,7 @@ import time
 import torch
 
 from zoomkv import ZoomCache
+from zoomkv.errors import ZoomKVError
 from zoomkv.memory.quant import QuantSpec
 from zoomkv.methods.sekv.method import SeKV
 from zoomkv.models import load_model
@@ -52,6 +53,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="selects per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds; the fastest is reported")
     args = parser.parse_args()
+    formats = {name: None if name == "none" else name for name in args.formats.split(",")}
+    for kv_quant in filter(None, formats.values()):  # a misspelt format is refused before any work
+        try:
+            QuantSpec.parse(kv_quant)
+        except ZoomKVError as e:
+            parser.error(str(e))
     torch.set_num_threads(1)
     config = load_model("tiny-llama")[0].config  # a one-layer stand-in given SmolLM2-135M's attention shape
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 9, 3, 64
@@ -60,10 +67,7 @@ def main() -> None:
           "rescore_from=host, one thread, ms of process CPU time per select")
     print("| host format | fastest round | every round |")
     print("|---|---|---|")
-    for name in args.formats.split(","):
-        kv_quant = None if name == "none" else name
-        if kv_quant is not None:
-            QuantSpec.parse(kv_quant)  # a misspelt format is refused before any work
+    for name, kv_quant in formats.items():
         method, memory, g = layer(config, kv_quant, args.batch_size, args.rows, args.budget, seed=0)
         queries = [torch.randn(args.batch_size, config.num_attention_heads, 1, config.head_dim, generator=g)
                    for _ in range(args.steps)]
