@@ -141,7 +141,7 @@ def test_a_configuration_out_of_device_memory_is_a_row_and_the_others_go_on(caps
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
-    real = bench.generate_text
+    real, real_plain = bench.generate_text, bench.generate_plain
     monkeypatch.setattr(bench, "generate_plain", out_of_memory)
     monkeypatch.setattr(bench, "generate_text", lambda model, tok, texts, spec, **kw: out_of_memory()
                         if spec.method.name == "full" else real(model, tok, texts, spec, **kw))
@@ -153,6 +153,21 @@ def test_a_configuration_out_of_device_memory_is_a_row_and_the_others_go_on(caps
     assert out.count("out of device memory") == 2
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in table}) == 1  # every row as wide as the header
+
+    # a host tier the host cannot page-lock (zoomkv.memory.pinned) is a row of its own too, saying which memory
+    from zoomkv.memory.pinned import HostMemoryError
+
+    def out_of_host_memory(*args, **kwargs):
+        raise HostMemoryError("could not page-lock 51.00 GiB of host memory for the host tier")
+
+    monkeypatch.setattr(bench, "generate_plain", real_plain)
+    monkeypatch.setattr(bench, "generate_text", lambda model, tok, texts, spec, **kw: out_of_host_memory()
+                        if spec.method.name == "quest" else real(model, tok, texts, spec, **kw))
+    rows = run_bench(_args("--methods", "full,quest", "--budgets", "48", "--no-hf"))
+    out = capsys.readouterr().out
+    assert [(r["method"], r["out_of_memory"], r["out_of"]) for r in rows] == [("full", False, None),
+                                                                              ("quest", True, "host")]
+    assert out.count("out of host memory") == 1 and "out of device memory" not in out
 
     monkeypatch.setattr(bench, "generate_text", out_of_memory)
     with pytest.raises(ZoomKVError, match="every configuration ran out"):
@@ -178,3 +193,15 @@ def test_the_gpu_targets_are_read_from_the_tables_bench_prints(capsys, tmp_path)
     assert found["4. 0 host waits a step, `sekv`"] == ("0", "met")
     assert found["4. 0 host waits a step, `clusterkv`"] == ("not measured", "?")  # no row in this table
     assert found["3. `sekv` <= 0.35x `hf`, 32K x 8"][1] == "?"  # that part's table is missing
+
+
+def test_cpu_info_reads_one_field_and_nothing_for_a_missing_one():
+    from zoomkv.native import cpu_info
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    assert cpu_info("flags") == flags  # the build's name hashes it: one line, no key
+    assert cpu_info("no such field") == ""

@@ -158,6 +158,26 @@ def test_a_coded_host_tier_never_synchronises_the_device(tiny, host_format):
     _steps_without_a_wait(tiny, ZoomCache(tiny, method, 40, kv_quant=host_format))
 
 
+@pytest.mark.parametrize("name", ["sekv", "quest"])
+def test_a_coded_host_tier_within_the_budget_never_synchronises_the_device(tiny, name):
+    """A context the budget holds whole: every row recalled each step, the codes decoded on the GPU (where the
+    host would wait for the copies in flight and decode them all)."""
+    _steps_without_a_wait(tiny, ZoomCache(tiny, name, 400, kv_quant="k8v4"), steps=4)
+
+
+def test_host_tiers_in_exactly_sized_page_locked_memory_never_synchronise_the_device(tiny, monkeypatch):
+    """Every host tier page-locked where it lies (zoomkv.memory.pinned; above EXACT_BYTES where it is not 0): read
+    by the kernels, written by asynchronous copies, pinned as torch's own blocks are."""
+    from zoomkv.memory import pinned
+
+    monkeypatch.setattr(pinned, "EXACT_BYTES", 0)
+    for name, fmt in (("sekv", "k8v4"), ("quest", None), ("sekv", "kivi4g64")):
+        cache = ZoomCache(tiny, get_method(name, **({"rescore_from": "host"} if name == "sekv" else {})), 40,
+                          kv_quant=fmt)
+        _steps_without_a_wait(tiny, cache, steps=4)
+        _assert_tiers_placed(cache)
+
+
 def _steps_without_a_wait(tiny, cache: ZoomCache, lengths=(90, 61), steps: int = 12) -> None:
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
@@ -220,6 +240,40 @@ def test_gather_rows_reads_pinned_host_memory_from_the_gpu(dtype):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.cpu(), gather_rows_reference(src, idx.cpu()))
+
+
+def test_exactly_sized_pinned_memory_is_read_by_the_gpu_and_given_back():
+    """zoomkv.memory.pinned: the bytes asked for, page-locked (is_pinned, the gather kernel reads them, a copy from
+    the GPU into them runs without a host wait), unlocked and freed with their last view: torch's pinned
+    allocator's cache does not grow."""
+    from zoomkv.kernels.gather import gather_rows, gather_rows_reference
+    from zoomkv.memory import pinned
+
+    _cuda_only()
+    shape = (2, 8, 33_024, 64)  # 67.6 MB of fp32: torch's allocator would pin 128 MiB
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats().get("allocated_bytes.current") if stats else None
+    host = pinned.empty(shape, torch.float32)
+    assert host.is_pinned() and host.shape == shape
+    rows = torch.randn(shape, device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host.copy_(rows, non_blocking=True)
+        idx = torch.randint(0, shape[2], (2, 8, 1000), device=DEVICE)
+        out = torch.empty(2, 8, 1000, 64, device=DEVICE)
+        gather_rows(host, idx, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), gather_rows_reference(rows.cpu(), idx.cpu()))
+    if stats:
+        assert stats().get("allocated_bytes.current") == before  # not torch's block
+    del host
+    import gc
+    gc.collect()
+    again = pinned.empty(shape, torch.float32)  # the freed range registers again (it was unregistered)
+    assert again.is_pinned()
 
 
 def test_a_row_appended_asynchronously_is_recalled_by_the_next_step():

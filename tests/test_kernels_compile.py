@@ -49,9 +49,12 @@ KERNELS = [
           half="fp32", q_b=I64, q_h=I64, q_g=I64, c_b=I64, c_h=I64, c_n=I64, r_b=I64, r_h=I64, r_n=I64, o_b=I64,
           o_h=I64, o_g=I64),
      [dict(BITS=1, BLOCK_N=64, BLOCK_D=128, BLOCK_G=16)]),
-    ("plan_swaps", plan._kernel,
-     dict(held="*i64", idx="*i64", dest="*i64", fetch="*u8", rows="*i64", free_at="*i64", k="i32"),
-     [dict(BLOCK=1024, TILE=64)]),
+    ("plan_swaps: match", plan._match_kernel,
+     dict(held="*i64", idx="*i64", slot="*i32", kept="*i8", k="i32"),
+     [dict(CHUNK=256, TILE=32), dict(CHUNK=16, TILE=16)]),
+    ("plan_swaps: pair", plan._pair_kernel,
+     dict(idx="*i64", slot="*i32", kept="*i8", dest="*i64", fetch="*u8", rows="*i64", free_at="*i32", k="i32"),
+     [dict(BLOCK=4096), dict(BLOCK=16)]),
 ]
 
 

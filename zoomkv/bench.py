@@ -17,8 +17,10 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import platform
 import statistics
 import time
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ import torch
 from zoomkv.data.passkey import passkey_prompt
 from zoomkv.errors import ZoomKVError
 from zoomkv.generation import GenerationResult, generate_plain, generate_text
+from zoomkv.memory.pinned import HostMemoryError
+from zoomkv.native import cpu_info
 from zoomkv.runspec import REFERENCE, RunSpec, with_prefill_chunk
 
 log = logging.getLogger(__name__)
@@ -96,7 +100,9 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
     warm_length = getattr(args, "warmup_length", 0) or args.length
     warm_prompts = prompts if warm_length >= args.length else \
         [passkey_prompt(tokenizer, max(64, warm_length), depth=0.5, seed=i).text for i in range(batch)]
-    out_of_memory: set[int] = set()  # configurations the device could not hold: their rows say so, the rest go on
+    # configurations the device (or the host, for a host tier) could not hold, and which: their rows say so, the
+    # rest go on
+    out_of_memory: dict[int, str] = {}
 
     def attempt(i: int, new: int, texts: list[str]) -> tuple[GenerationResult, int | None] | None:
         if i in out_of_memory:
@@ -104,9 +110,11 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
         try:
             return timed(configs[i], new, texts)
         except torch.OutOfMemoryError:
-            out_of_memory.add(i)
+            out_of_memory[i] = "device"
+        except HostMemoryError:
+            out_of_memory[i] = "host"
         # out of the handler: its traceback no longer holds the failed run's tensors, so their memory goes back
-        _progress(t0, f"{_name(configs[i])}: out of device memory")
+        _progress(t0, f"{_name(configs[i])}: out of {out_of_memory[i]} memory")
         if model.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -154,7 +162,7 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "prefill_chunk": None if run is None else run.cache.prefill_chunk,
             "batch_size": batch,
             "prompt_tokens": last.prompt_tokens,
-            "out_of_memory": False,
+            "out_of_memory": False, "out_of": None,
             "prefill_s": round(prefill, 4),
             "prefill_ratio": _ratio(prefill, full_prefill),
             "decode_ms_per_token": round(decode, 3),
@@ -175,7 +183,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             "profile_ms": profiles.get(i),  # with --profile: ms per decode step in each phase (a run of its own)
         })
     measured = next(r for r in rows if r is not None)  # there is one: a run with none measured raised above
-    rows = [r if r is not None else _out_of_memory_row(configs[i], batch, measured) for i, r in enumerate(rows)]
+    rows = [r if r is not None else _out_of_memory_row(configs[i], batch, measured, out_of_memory[i])
+            for i, r in enumerate(rows)]
     if getattr(args, "json", False):
         print(json.dumps({"model": args.model, "random_weights": random_weights, "device": str(model.device),
                           "processor": processor_name(model.device), "threads": torch.get_num_threads(),
@@ -201,7 +210,8 @@ def run_bench(args: Any, runs: list[RunSpec]) -> list[dict[str, Any]]:
             cells = [r["method"], _cell(r["budget"]), r["prefill_chunk"] or "one-shot"]
             if r["out_of_memory"]:  # nothing measured: one cell says why
                 width = 10 + 2 * with_hf + cuda + 3 * audit
-                print("| " + " | ".join(map(str, cells + ["out of device memory"] + ["-"] * (width - 1))) + " |")
+                print("| " + " | ".join(map(str, cells + [f"out of {r['out_of']} memory"] + ["-"] * (width - 1)))
+                      + " |")
                 continue
             cells += [_cell(r["prefill_s"], ".3f"), _cell(r["prefill_ratio"], ".2f")]
             cells += [_cell(r["prefill_hf_ratio"], ".2f")] if with_hf else []
@@ -222,7 +232,7 @@ PHASES = ("selection", "recall", "append", "attention", "rest")
 
 
 def _profile(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None], new_tokens: int,
-             t0: float, skip: set[int] = frozenset()) -> dict[int, dict[str, float]]:
+             t0: float, skip: Collection[int] = frozenset()) -> dict[int, dict[str, float]]:
     """Per configuration (by index in ``configs``): ms per decode step in each phase of the compressed layers
     (zoomkv.protocol.phases), from one more run of ``new_tokens`` under the phase clock; ``rest`` is the step's
     time outside them (the model's own layers, dense layers, sampling)."""
@@ -270,7 +280,7 @@ SYNC_AUDIT_STEPS = 4
 
 
 def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[RunSpec | None],
-                t0: float, skip: set[int] = frozenset()) -> dict[int, tuple[float, int, int]]:
+                t0: float, skip: Collection[int] = frozenset()) -> dict[int, tuple[float, int, int]]:
     """Per configuration (one-shot prefill only, by index in ``configs``): the ops per decode step that would
     make the host wait for the device, the ops that compute (a GPU's kernel launches, about), and those launches
     with each step a GPU captures in a CUDA graph counted as its one replay, over ``SYNC_AUDIT_STEPS`` steps after
@@ -297,12 +307,13 @@ def _sync_audit(model: Any, tokenizer: Any, prompts: list[str], configs: list[Ru
     return found
 
 
-def _out_of_memory_row(run: RunSpec | None, batch: int, measured: dict[str, Any]) -> dict[str, Any]:
-    """The row of a configuration the device could not hold: a measured row's keys, only its name filled."""
+def _out_of_memory_row(run: RunSpec | None, batch: int, measured: dict[str, Any], memory: str) -> dict[str, Any]:
+    """The row of a configuration the device (``memory="device"``) or the host could not hold: a measured row's
+    keys, only its name filled."""
     return {**dict.fromkeys(measured), "method": _name(run, budget=False),
             "budget": None if run is None else run.budget,
             "prefill_chunk": None if run is None else run.cache.prefill_chunk, "batch_size": batch,
-            "out_of_memory": True}
+            "out_of_memory": True, "out_of": memory}
 
 
 def processor_name(device: torch.device) -> str:
@@ -313,15 +324,7 @@ def processor_name(device: torch.device) -> str:
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or "unknown processor"
+    return cpu_info("model name") or platform.processor() or platform.machine() or "unknown processor"
 
 
 def _machine(device: torch.device) -> str:

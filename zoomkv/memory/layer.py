@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from zoomkv.memory import pinned as pinned_memory
 from zoomkv.memory.quant import row_buffer
 from zoomkv.memory.tiers import RowBuffer, Tier
 
@@ -130,7 +131,8 @@ class LayerMemory(CacheLayerMixin):
         ``non_blocking``: the copy from the GPU is queued, and only stream-ordered GPU work may read it)."""
         if tensor.device.type == "cpu" and not self.pin_host:
             return tensor.contiguous()
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_host)
+        out = pinned_memory.empty(tensor.shape, tensor.dtype) if self.pin_host else \
+            torch.empty(tensor.shape, dtype=tensor.dtype)
         out.copy_(tensor, non_blocking=non_blocking and self.pin_host and tensor.is_cuda)
         return out
 
@@ -141,7 +143,11 @@ class LayerMemory(CacheLayerMixin):
         ``quantize=False``: its own codes' scales, which are not KV)."""
         spec = self.cache.kv_quant
         if spec is not None and quantize and tensor.is_floating_point() and tensor.shape[-1]:  # 0 wide: nothing to code
-            coded = row_buffer(self.to_host(tensor), spec.for_rows(role, self.layer_idx), pinned=self.pin_host,
+            rows_spec = spec.for_rows(role, self.layer_idx)
+            # per-token codes of a GPU's rows are made on the GPU and only the codes cross to the host (the
+            # prompt's bf16 rows would otherwise be coded by torch's ops on the host: minutes at 32 x 32K tokens)
+            on_device = tensor.is_cuda and self.pin_host and rows_spec.layout == "token" and not rows_spec.outliers
+            coded = row_buffer(tensor if on_device else self.to_host(tensor), rows_spec, pinned=self.pin_host,
                                open_device=self.device)
             if self.pin_host:  # room, as below
                 coded.reserve(HOST_ROOM)

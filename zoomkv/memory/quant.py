@@ -33,6 +33,7 @@ from zoomkv.errors import ConfigError
 from zoomkv.kernels import dequant as kernel_dequant
 from zoomkv.kernels import quantize as kernel_quantize
 from zoomkv.kernels.gather import gather_to_slots_reference
+from zoomkv.memory import pinned as pinned_memory
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
 
@@ -268,9 +269,11 @@ class QuantizedRowBuffer(RowBuffer):
             self.exact = RowBuffer(self._outlier_values(data), pinned=pinned)
         if self.exact is not None or self.pad or not self._init_native(data, pinned):
             codes, scale, lo = quantize(self._prepared(data), self.bits, self.group)
-            self.codes = RowBuffer(codes, pinned=pinned)
-            self.scale = RowBuffer(scale, pinned=pinned)
-            self.lo = RowBuffer(lo, pinned=pinned)
+            # coded where the rows are (a GPU's prefill: there, in parallel), held where the buffer lives: a
+            # pinned buffer's codes on the host
+            self.codes, self.scale, self.lo = (
+                RowBuffer(pinned_memory.copy_of(part) if pinned and part.is_cuda else part, pinned=pinned)
+                for part in (codes, scale, lo))
         self.pinned = self.codes.pinned
         self.length = data.shape[2]
 
@@ -382,6 +385,10 @@ class QuantizedRowBuffer(RowBuffer):
             gather_to_slots_reference(self._gather(idx, fetch), out, dest, fetch)
 
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if idx is None and out is not None and out.is_cuda:
+            # every row (a context within the budget): the codes travel and are decoded on the GPU, where view()
+            # would wait for the copies in flight and decode them all on the host
+            return out.copy_(self.rows_on(out.device))
         if idx is not None and out is not None and self._decode_in_kernel(idx, out):
             return out
         found = self._gather(idx)
@@ -515,7 +522,13 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         self.residual = pending[:, :, full:].contiguous()
 
     def rows_on(self, device: torch.device) -> torch.Tensor:
-        return self.view().to(device)
+        """Every row decoded on ``device``: pinned codes travel to the GPU without a host wait (the scales read
+        there by the pinned-memory kernel), the open block's exact rows with them."""
+        if not (self.codes.pinned and torch.device(device).type == "cuda"):
+            return self.view().to(device)
+        n = self.codes.length
+        return torch.cat([self._decoded(self.codes.rows_on(device), torch.arange(n, device=device)),
+                          self.residual.to(device, self.dtype)], 2)
 
     def view(self) -> torch.Tensor:
         n = self.codes.length
@@ -535,6 +548,8 @@ class ChannelQuantizedRowBuffer(RowBuffer):
         gather_to_slots_reference(self._gather(idx), out, dest, None)
 
     def gather(self, idx: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if idx is None and out is not None and out.is_cuda:  # every row (a context within the budget): no host wait
+            return out.copy_(self.rows_on(out.device))
         found = self._gather(idx)
         return found if out is None else out.copy_(found, non_blocking=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from zoomkv.kernels.gather import gather_rows, gather_to_slots_reference
+from zoomkv.memory import pinned as pinned_memory
 
 
 class RowBuffer:
@@ -23,7 +24,7 @@ class RowBuffer:
 
     def __init__(self, data: torch.Tensor, *, pinned: bool = False):
         self.pinned = pinned and data.device.type == "cpu"
-        self.data = data.pin_memory() if self.pinned and not data.is_pinned() else data
+        self.data = pinned_memory.copy_of(data) if self.pinned and not data.is_pinned() else data
         self.length = data.shape[2]
         self.in_flight = False  # pinned rows written by an asynchronous copy from the GPU not yet waited for
         self._length_tensor: torch.Tensor | None = None  # ``length`` on the device, once asked for
@@ -41,7 +42,8 @@ class RowBuffer:
     @classmethod
     def empty_like(cls, batch: int, heads: int, rows: int, dim: int, *, dtype: torch.dtype,
                    device: torch.device, pinned: bool = False) -> RowBuffer:
-        data = torch.empty(batch, heads, rows, dim, dtype=dtype, device=device, pin_memory=pinned and device.type == "cpu")
+        data = pinned_memory.empty((batch, heads, rows, dim), dtype) if pinned and device.type == "cpu" else \
+            torch.empty(batch, heads, rows, dim, dtype=dtype, device=device)
         buf = cls(data, pinned=pinned)
         buf.length = 0
         return buf
@@ -157,7 +159,8 @@ class RowBuffer:
             grow = max(self.GROW_ROWS, self.capacity // 32, n)  # ≤ ~3% over, O(1) amortised
             shape = list(self.data.shape)
             shape[2] = self.capacity + grow
-            bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device, pin_memory=self.pinned)
+            bigger = pinned_memory.empty(shape, self.data.dtype) if self.pinned else \
+                torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
             self.wait()  # the host copies the old rows: once per ~3% growth, not per step
             bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
             self.data = bigger

@@ -42,6 +42,18 @@ def torch_path() -> Iterator[None]:
         _disabled.on = before
 
 
+def cpu_info(field: str) -> str:
+    """One field of Linux's ``/proc/cpuinfo`` for the first processor (``"model name"``, ``"flags"``), or "" where
+    there is no such file or field: the build's name hashes the flags, ``zoomkv bench`` prints the model name."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == field:
+                    return value.strip()
+    return ""
+
+
 def openmp() -> list[str]:
     """``-fopenmp`` where torch runs on libgomp (Linux wheels): a library built with it names ``libgomp.so.1``,
     which the loader resolves to the copy torch already loaded, so a kernel's loops share torch's own threads
@@ -78,9 +90,7 @@ class Kernel:
             h.update(header.read_bytes())
         h.update(" ".join(flags(self.fast_math)).encode())
         h.update(platform.machine().encode())
-        with contextlib.suppress(OSError):
-            cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-            h.update((cpu[0] if cpu else "").encode())
+        h.update(cpu_info("flags").encode())
         return f"zoomkv_{self.source.stem}_{h.hexdigest()[:12]}"
 
     def _build(self) -> ctypes.CDLL:

@@ -361,6 +361,10 @@ class SeKV(RecallableMethod):
         self._store_host(memory, ctx, layer, mean, valid, compressed=t > budget - c.summary_row, anchors=anchors)
         rot = rotation(d, self._seed(layer), keys.device)
         dev["code_rotation"], dev["code_mean"] = rot, mean
+        if self.adapter is not None:  # on the device once, where a step reads them (the adapter may sit elsewhere)
+            dev["code_gains"] = self._gains(layer, h, d, keys.device)
+            if c.summary_row:
+                dev["summary_bias"] = self.adapter.summary_bias[layer].detach().to(keys.device)
         rotated = torch.matmul(keys - mean, rot)
         projections = self._index_projections(ctx, keys - mean, valid, layer)
         if projections is not None:  # a trained hash or codes fitted to this context: the index is their codes
@@ -615,8 +619,9 @@ class SeKV(RecallableMethod):
         dev = memory.device_tier
         h = dev["code_mean"].shape[1]
         q = group_query(query, h).float()
-        return torch.matmul(q, dev["code_rotation"]) * self._gains(memory.meta["layer"], h, q.shape[-1], q.device)[
-            None, :, None]
+        rotated = torch.matmul(q, dev["code_rotation"])
+        gains = dev.get("code_gains")  # the trained adapter's (none: every weight 1)
+        return rotated if gains is None else rotated * gains[None, :, None]
 
     def router_scores(self, memory, query: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """``[b, h, g·q, n]``: each query head's estimated logit of every row, from the device codes alone
@@ -759,13 +764,11 @@ class SeKV(RecallableMethod):
         plan = memory.meta.get(NATIVE)
         if plan is None:
             dev, c = memory.device_tier, self.config
-            budget, layer = memory.meta["budget"], memory.meta["layer"]
-            h, d = dev["code_mean"].shape[1], memory.key_dim
+            budget = memory.meta["budget"]
             plan = memory.meta[NATIVE] = native.NativeLayer(
                 memory, code_bits=c.code_bits, anchor_bits=c.anchor_bits, recent=c.recent, k=budget - c.summary_row,
                 m_max=self._stage_one(budget), fine_bits=c.rescore_bits if c.rescore_from == "codes" else 0, rescore_host=c.rescore_from == "host",
-                gains=None if self.adapter is None else self._gains(layer, h, d, dev["code_mean"].device),
-                offset=None if self.adapter is None else self.adapter.summary_bias[layer].detach(),
+                gains=dev.get("code_gains"), offset=dev.get("summary_bias"),
                 summary_prefix=TAIL if c.summary_row else None)
             plan.appends &= not memory.meta["low_rank"]  # rank-gated host rows are projected in torch first
             if plan.recall:
@@ -850,6 +853,6 @@ class SeKV(RecallableMethod):
         sel = Selection(rk, rv, padding_bias(valid, idx, h, query.dtype, query.device))
         if not self.config.summary_row:
             return sel
-        offset = None if self.adapter is None else self.adapter.summary_bias[memory.meta["layer"]].detach()
+        offset = memory.device_tier.get("summary_bias")
         with phase("recall"):  # the summary row joins the recalled rows (the compiled recall writes both at once)
             return with_tail(memory, sel, prefix=TAIL, offset=offset)
