@@ -169,6 +169,7 @@ def test_a_configuration_out_of_device_memory_is_a_row_and_the_others_go_on(caps
                                                                               ("quest", True, "host")]
     assert out.count("out of host memory") == 1 and "out of device memory" not in out
 
+    monkeypatch.setattr(bench, "generate_plain", out_of_memory)
     monkeypatch.setattr(bench, "generate_text", out_of_memory)
     with pytest.raises(ZoomKVError, match="every configuration ran out"):
         run_bench(_args("--methods", "full,quest", "--budgets", "48"))

@@ -106,6 +106,25 @@ def test_chunked_prefill_holds_at_most_budget_plus_chunk_rows(tiny, name):
     assert report.peak_device_bytes < full.peak_device_bytes
 
 
+def test_a_chunked_prefill_makes_room_for_the_rest_of_the_prompt_once(tiny, monkeypatch):
+    """A pinned host tier (a GPU machine's) is made, at the first piece, with room for every row still to come,
+    so later pieces append without growing (and page-locking again) the whole buffer; after the prompt, decode
+    steps' room alone."""
+    from zoomkv.memory import LayerMemory
+
+    model, _ = tiny
+    ids, mask = _batch(model.config.vocab_size, lengths=(200, 200))
+    rooms = []
+    real = LayerMemory.host_rows
+    monkeypatch.setattr(LayerMemory, "host_rows", lambda self, *a, **k: rooms.append(self.host_room) or real(self, *a, **k))
+    cache = ZoomCache(model, "quest", 48, prefill_chunk=32)
+    turns(model, cache, ids, mask, [])
+    from zoomkv.memory.layer import HOST_ROOM
+
+    assert rooms and set(rooms) == {HOST_ROOM + 200 - 32}  # every host buffer made at the first piece
+    assert cache.rows_to_come == 0 and cache.layers[-1].host_room == HOST_ROOM
+
+
 def test_prefill_chunk_is_checked():
     from zoomkv.errors import ConfigError
     from zoomkv.models import load_model

@@ -216,12 +216,13 @@ def test_gains_weigh_the_router_coordinates(config):
     keys, values, query = _pointed_keys()
     adapter = SeKVAdapter(4, H, D)
     plain = SeKV(adapter=adapter)
-    memory = _memory(config, plain, keys, values, torch.zeros(1, 200), budget=40)
-    before = plain.router_scores(memory, query)
+    before = plain.router_scores(_memory(config, plain, keys, values, torch.zeros(1, 200), budget=40), query)
     with torch.no_grad():
         adapter.code_gain[0, :, : D // 2] = -20.0  # the first half of the rotated coordinates switched off
+    memory = _memory(config, plain, keys, values, torch.zeros(1, 200), budget=40)
     after = plain.router_scores(memory, query)
     dev = memory.device_tier
+    assert dev["code_gains"].shape == (H, D)  # read at the compression, held where the step reads it
     q = query.view(1, H, G, D).float() @ dev["code_rotation"]
     q[..., : D // 2] = 0
     expect = score_codes(q, dev["codes"].view(), dev["code_rms"].view(), 1) * D**-0.5

@@ -159,6 +159,9 @@ class ZoomCache(Cache):
         self.probe = SelectionProbe(lambda: self.budget_rows) if diagnose else None
         self.prompt_ids: torch.Tensor | None = None  # set by the model's forward pre-hook (see attach)
         self.step_ids: torch.Tensor | None = None  # ids of the forward in progress: the prompt, then each token
+        # rows a chunked prefill stores after its first piece: a pinned host tier makes room for them at once, where
+        # growing a piece at a time would page-lock and copy the whole buffer again for every piece
+        self.rows_to_come = 0
         self.pending: dict[int, Any] = {}  # layers waiting for surprisal before they compress
         # Each attention module's input at the decode step in progress (methods that look a layer ahead).
         self.attention_inputs: dict[int, Any] = {}
@@ -361,6 +364,8 @@ def _prefill_in_chunks(model: torch.nn.Module, cache: ZoomCache, args: tuple, kw
     if last == 0:
         return None  # the padding needs the whole input in one piece
     _running.chunking = True
+    if cache.get_seq_length() == 0:
+        cache.rows_to_come = total - starts[1]
     try:
         for start, end in zip(starts, starts[1:], strict=False):
             piece = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds")}
@@ -376,6 +381,7 @@ def _prefill_in_chunks(model: torch.nn.Module, cache: ZoomCache, args: tuple, kw
             model(**piece)
     finally:
         _running.chunking = False
+        cache.rows_to_come = 0
     _running.cache = cache
     rest = ids[:, last:]
     kwargs = dict(kwargs)

@@ -136,6 +136,12 @@ class LayerMemory(CacheLayerMixin):
         out.copy_(tensor, non_blocking=non_blocking and self.pin_host and tensor.is_cuda)
         return out
 
+    @property
+    def host_room(self) -> int:
+        """Rows a pinned host buffer holds past the ones it is made with: ``HOST_ROOM`` for the decode steps, and the
+        rest of a prompt prefilled in pieces (``ZoomCache.rows_to_come``)."""
+        return HOST_ROOM + getattr(self.cache, "rows_to_come", 0)
+
     def host_rows(self, tensor: torch.Tensor, quantize: bool = True, role: str = "rows") -> RowBuffer:
         """A growable host-tier row buffer initialised with ``tensor`` (``[b, h, n, d]``); codes when the cache
         quantizes KV, coded as the format says for ``role`` (``"keys"``, ``"values"``, or other ``"rows"``) of
@@ -150,13 +156,13 @@ class LayerMemory(CacheLayerMixin):
             coded = row_buffer(tensor if on_device else self.to_host(tensor), rows_spec, pinned=self.pin_host,
                                open_device=self.device)
             if self.pin_host:  # room, as below
-                coded.reserve(HOST_ROOM)
+                coded.reserve(self.host_room)
             return coded
         if self.pin_host and tensor.is_cuda:
             # Room for the next rows, which a GPU step writes without waiting: growing copies on the host, after
             # waiting for the copies in flight (once per HOST_ROOM rows or ~3%, not per step).
             b, h, n, d = tensor.shape
-            buf = RowBuffer.empty_like(b, h, n + HOST_ROOM, d, dtype=tensor.dtype, device=torch.device("cpu"),
+            buf = RowBuffer.empty_like(b, h, n + self.host_room, d, dtype=tensor.dtype, device=torch.device("cpu"),
                                        pinned=True)
             buf.append(tensor)
             return buf

@@ -13,6 +13,7 @@ either run asynchronously.
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 from typing import Protocol
 
@@ -22,6 +23,7 @@ import torch
 from zoomkv.errors import ZoomKVError
 
 EXACT_BYTES = 16 << 20  # below this, torch's allocator: at most 16 MiB rounded away per buffer
+PAGE = mmap.PAGESIZE
 
 
 class HostMemoryError(ZoomKVError):
@@ -72,21 +74,26 @@ def _locker() -> PageLocker | None:
 
 def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised pinned host tensor of ``shape`` (contiguous)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     page_locker = _locker()
     if page_locker is None or nbytes < EXACT_BYTES:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
-    # numpy owns the bytes: torch's storage holds the array, the array's end (after every view of it has gone)
-    # calls its weak references before it frees them, so the memory is unlocked while it is still there.
-    host = numpy.empty(nbytes, dtype=numpy.uint8)
-    address = host.ctypes.data
-    error = page_locker.lock(address, nbytes)
+    # Whole pages: two locked ranges never share one (the runtime refuses a range that overlaps a locked one), and
+    # the tensor's storage starts where the lock does (``is_pinned`` asks about the storage's first byte).
+    span = -(-nbytes // PAGE) * PAGE
+    host = numpy.empty(span + PAGE, dtype=numpy.uint8)
+    skip = -host.ctypes.data % PAGE
+    address = host.ctypes.data + skip
+    error = page_locker.lock(address, span)
     if error:
         raise HostMemoryError(f"could not page-lock {nbytes / 2**30:.2f} GiB of host memory for the host tier "
                               f"({page_locker.describe(error)}); fewer sequences at once, or a host format with "
                               "fewer bits (--kv-quant), needs less")
-    weakref.finalize(host, page_locker.unlock, address)
-    return torch.from_numpy(host).view(dtype).view(tuple(shape))
+    # numpy owns the bytes and torch's storage holds them through a memoryview: when the last view of them goes,
+    # the array's end calls its weak references before it frees the bytes, so they are unlocked while still there
+    weakref.finalize(host, page_locker.unlock, address).atexit = False  # (at exit the process lets it all go)
+    return torch.frombuffer(memoryview(host)[skip : skip + span], dtype=torch.uint8)[:nbytes].view(dtype).view(
+        tuple(shape))
 
 
 def copy_of(tensor: torch.Tensor) -> torch.Tensor:
