@@ -6,8 +6,9 @@
 #
 #   bash scripts/cuda_check.sh [OUT_DIR] [PARTS]
 #
-# PARTS (default: all): a comma list of tests, long (32K tokens x batch 8), every (the same reading every
-# recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the rows not already held),
+# PARTS (default: all): a comma list of tests, long (32K tokens x 8 sequences; 4 under 100 GB of GPU memory), every
+# (the same reading every recalled row each step, ZOOMKV_RECALL_MISSES=0, against the default that reads only the
+# rows not already held),
 # chunked (the same, prefilled 4K tokens at a time), fit (32 x 32K: more KV than the GPU holds), profile (16K x 1 with
 # phases and host syncs), graphs (16K x 1 with the decode steps uncaptured, ZOOMKV_CUDA_GRAPHS=0, beside hf), train
 # (distillation steps of the quickstart recipe on the GPU: SmolLM2's shape, random weights, bf16), small (the
@@ -49,6 +50,11 @@ cat > "$shapes/llama-3.1-8b/config.json" <<'JSON'
  "hidden_act": "silu", "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2}
 JSON
 
+# 8 sequences of 32K where the GPU holds plain transformers' KV for them beside the weights (an H200's 141 GB; it
+# peaked at 77.8 GB there), 4 on a smaller one (an H100's 80 GB); LONG_BATCH sets it. The targets' table says which.
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+long_batch=${LONG_BATCH:-$([ "${mib:-0}" -ge 100000 ] 2>/dev/null && echo 8 || echo 4)}
+
 bench() {  # name, seconds, then zoomkv bench arguments
   local name=$1 secs=$2; shift 2
   echo "== zoomkv bench $*" | tee "$out/$name.md"
@@ -57,18 +63,18 @@ bench() {  # name, seconds, then zoomkv bench arguments
 }
 # 32K tokens x 8 sequences, one-shot prefill (sekv's layers wait for the surprisal in pinned host memory, so its
 # CUDA peak shows what the prompt's KV leaving the device buys).
-has long && bench llama8b_32k_b8 "${LONG_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 \
+has long && bench llama8b_32k_b8 "${LONG_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 --batch-size "$long_batch" \
   --methods full,sekv,quest --budgets 1024 --new-tokens 16 --repeats 1 --warmup-length 4608
 # The recall reading every row it asks for at each step (before: only the rows its buffer does not hold), with
 # its own `full` for the ratio.
 has every && ZOOMKV_RECALL_MISSES=0 bench llama8b_32k_b8_every_row "${EVERY_TIMEOUT:-200}" --model \
-  "$shapes/llama-3.1-8b" --length 32768 --batch-size 8 --methods full,sekv,quest --budgets 1024 --new-tokens 16 \
+  "$shapes/llama-3.1-8b" --length 32768 --batch-size "$long_batch" --methods full,sekv,quest --budgets 1024 --new-tokens 16 \
   --repeats 1 --warmup-length 4608 --no-hf
 # The same prompts prefilled 4K tokens at a time: each chunk attends to the rows its method selects (scored a block
 # of positions at a time), so the CUDA peak is the weights, the compressed layers and one chunk's activations
 # (the GPU issue's target: weights + 25% of full KV).
 has chunked && bench llama8b_32k_b8_chunked "${CHUNKED_TIMEOUT:-240}" --model "$shapes/llama-3.1-8b" --length 32768 \
-  --batch-size 8 --methods sekv,quest --budgets 1024 --new-tokens 8 --repeats 1 --warmup-length 4608 \
+  --batch-size "$long_batch" --methods sekv,quest --budgets 1024 --new-tokens 8 --repeats 1 --warmup-length 4608 \
   --prefill-chunk 4096 --no-hf
 # A batch whose full KV does not fit the GPU (32 x 32K tokens: 137 GB of bf16 KV beside 16 GB of weights): hf and
 # full run out of device memory (their rows say so); sekv, prefilled in 4K pieces with its host tier at 8-bit keys

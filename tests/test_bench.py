@@ -190,7 +190,7 @@ def test_the_gpu_targets_are_read_from_the_tables_bench_prints(capsys, tmp_path)
     spec.loader.exec_module(gpu_targets)
     found = {target: (measured, verdict) for target, measured, verdict in gpu_targets.targets(tmp_path)}
     measured, verdict = found["2. `full` <= 1.0x `hf`, 16K x 1"]
-    assert measured.endswith("x `hf`") and verdict in ("met", "not met (limit 1.0)")
+    assert measured.endswith("x `hf` (321 tokens x 1)") and verdict in ("met", "not met (limit 1.0)")
     assert found["4. 0 host waits a step, `sekv`"] == ("0", "met")
     assert found["4. 0 host waits a step, `clusterkv`"] == ("not measured", "?")  # no row in this table
     assert found["3. `sekv` <= 0.35x `hf`, 32K x 8"][1] == "?"  # that part's table is missing
