@@ -60,6 +60,9 @@ def test_small_buffers_stay_with_torchs_allocator(locker, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: asked.append(kw) or torch.zeros(*a, dtype=kw["dtype"]))
     t = pinned.empty((2, 2, 8, 4), torch.float32)
     assert asked == [{"dtype": torch.float32, "pin_memory": True}] and locker.locked == [] and t.shape == (2, 2, 8, 4)
+    monkeypatch.setattr(pinned, "EXACT_BYTES", 0)  # every size locked where it lies, but nothing to lock in none
+    pinned.empty((2, 0, 4), torch.float32)
+    assert len(asked) == 2 and locker.locked == []
 
 
 def test_a_host_that_cannot_lock_the_rows_says_so_in_one_line(monkeypatch):

@@ -76,7 +76,7 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
     """An uninitialised pinned host tensor of ``shape`` (contiguous)."""
     nbytes = math.prod(shape) * dtype.itemsize
     page_locker = _locker()
-    if page_locker is None or nbytes < EXACT_BYTES:
+    if page_locker is None or nbytes < max(EXACT_BYTES, 1):  # (nothing to lock in an empty tensor)
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
     # Whole pages: two locked ranges never share one (the runtime refuses a range that overlaps a locked one), and
     # the tensor's storage starts where the lock does (``is_pinned`` asks about the storage's first byte).
