@@ -272,7 +272,7 @@ def test_exactly_sized_pinned_memory_is_read_by_the_gpu_and_given_back():
     del host
     import gc
     gc.collect()
-    again = pinned.empty(shape, torch.float32)  # the freed range registers again (it was unregistered)
+    again = pinned.empty(shape, torch.float32)  # (the first was unlocked and freed: no overlap refused)
     assert again.is_pinned()
 
 
