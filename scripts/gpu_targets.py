@@ -72,6 +72,7 @@ def out_of_memory(row: dict[str, str] | None) -> bool:
 def targets(folder: Path) -> list[tuple[str, str, str]]:
     """(target, measured, verdict) lines."""
     tables = {part: read_table(folder / name) for part, name in PARTS.items()}
+    shapes = {part: shape(folder / name) for part, name in PARTS.items()}
     lines: list[tuple[str, str, str]] = []
 
     def ratio(part: str, method: str, limit: float, target: str, column: str = "decode × hf") -> None:
@@ -80,7 +81,7 @@ def targets(folder: Path) -> list[tuple[str, str, str]]:
         if value is None:
             lines.append((target, f"not measured ({PARTS[part]}: {'no table' if table is None else 'no row'})", "?"))
         else:  # the shape it ran at beside it: cuda_check.sh's batch follows the GPU's memory
-            lines.append((target, f"{value:.2f}x `hf` ({shape(folder / PARTS[part])})",
+            lines.append((target, f"{value:.2f}x `hf` ({shapes[part]})",
                           "met" if value <= limit else f"not met (limit {limit})"))
 
     ratio("long", "full", 1.0, "2. `full` <= 1.0x `hf`, 32K x 8")
@@ -113,7 +114,7 @@ def targets(folder: Path) -> list[tuple[str, str, str]]:
     hf_long = number((tables["long"] or {}).get("hf"), "decode tok/s")
     if decodes and hf_long:
         lines.append(("6. `sekv` tok/s >= 3x `hf`'s, each at its largest batch measured",
-                      f"{decodes / hf_long:.2f}x ({shape(folder / PARTS['fit'])} against {shape(folder / PARTS['long'])})",
+                      f"{decodes / hf_long:.2f}x ({shapes['fit']} against {shapes['long']})",
                       "met" if decodes >= 3 * hf_long else "not met"))
     else:
         lines.append(("6. `sekv` tok/s >= 3x `hf`'s at the largest batch", "not measured", "?"))

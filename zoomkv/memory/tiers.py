@@ -39,11 +39,15 @@ class RowBuffer:
         buf.append(data)
         return buf
 
+    @staticmethod
+    def _allocate(shape, dtype: torch.dtype, device: torch.device, pinned: bool) -> torch.Tensor:
+        """Room for rows: page-locked host memory at its size (``zoomkv.memory.pinned``) or plain on ``device``."""
+        return pinned_memory.empty(shape, dtype) if pinned else torch.empty(shape, dtype=dtype, device=device)
+
     @classmethod
     def empty_like(cls, batch: int, heads: int, rows: int, dim: int, *, dtype: torch.dtype,
                    device: torch.device, pinned: bool = False) -> RowBuffer:
-        data = pinned_memory.empty((batch, heads, rows, dim), dtype) if pinned and device.type == "cpu" else \
-            torch.empty(batch, heads, rows, dim, dtype=dtype, device=device)
+        data = cls._allocate((batch, heads, rows, dim), dtype, device, pinned and device.type == "cpu")
         buf = cls(data, pinned=pinned)
         buf.length = 0
         return buf
@@ -159,8 +163,7 @@ class RowBuffer:
             grow = max(self.GROW_ROWS, self.capacity // 32, n)  # ≤ ~3% over, O(1) amortised
             shape = list(self.data.shape)
             shape[2] = self.capacity + grow
-            bigger = pinned_memory.empty(shape, self.data.dtype) if self.pinned else \
-                torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
+            bigger = self._allocate(shape, self.data.dtype, self.data.device, self.pinned)
             self.wait()  # the host copies the old rows: once per ~3% growth, not per step
             bigger[:, :, : self.length].copy_(self.data[:, :, : self.length])
             self.data = bigger
