@@ -21,8 +21,29 @@ from zoomkv.memory.sync_audit import audit_decode
 from zoomkv.methods import METHODS, get_method
 from zoomkv.models import load_model
 
-DEVICE = os.environ.get("ZOOMKV_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+# ZOOMKV_TEST_DEVICE=standin: "cuda" is tests/cuda_standin.py's stand-in on the CPU (tests/test_cuda_standin.py runs
+# this file so, in a process of its own that starts Triton's interpreter before Triton loads)
+STANDIN = os.environ.get("ZOOMKV_TEST_DEVICE") == "standin"
+DEVICE = "cuda" if STANDIN else os.environ.get("ZOOMKV_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="no CUDA device (set ZOOMKV_TEST_DEVICE to force one)")
+
+
+def _steps(n: int) -> int:
+    """Decode steps a check runs: on the stand-in a quarter (its kernels run under Triton's interpreter, ~0.1 s a
+    launch), at least 3 (a step after the one that grows the buffers)."""
+    return max(3, n // 4) if STANDIN else n
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _standin():
+    """The stand-in on for the whole module (the model fixture included) when it is the device."""
+    if not STANDIN:
+        yield
+        return
+    from tests import cuda_standin
+
+    with pytest.MonkeyPatch.context() as patch, cuda_standin.active(patch):
+        yield
 
 NEEDS_PROFILE = {name for name, cls in METHODS.items() if getattr(cls, "needs_profile", False)}
 BUDGETED = sorted(name for name, cls in METHODS.items() if cls.uses_budget and name not in NEEDS_PROFILE)
@@ -83,7 +104,7 @@ def test_small_budget_holds_and_tiers_are_placed(tiny, name):
     method = get_method(name)
     budget = max(method.min_budget(), 40)
     cache = ZoomCache(tiny, method, budget)
-    out = greedy(tiny, ids, mask, cache, new=24)  # the runtime raises if a step holds more than B rows
+    out = greedy(tiny, ids, mask, cache, new=_steps(24))  # the runtime raises if a step holds more than B rows
     assert out.sequences.device.type == torch.device(DEVICE).type
     _assert_tiers_placed(cache)
     report = cache.memory_report()
@@ -98,7 +119,7 @@ def test_tail_summary_on_the_device(tiny, name):
     ids, mask = _batch(tiny)
     method = get_method(name)
     cache = ZoomCache(tiny, method, max(method.min_budget() + 1, 40), tail_summary=True)
-    greedy(tiny, ids, mask, cache, new=16)
+    greedy(tiny, ids, mask, cache, new=_steps(16))
     _assert_tiers_placed(cache)
 
 
@@ -106,9 +127,9 @@ def test_tail_summary_on_the_device(tiny, name):
 def test_quantized_host_tier_on_the_device(tiny, bits):
     ids, mask = _batch(tiny, lengths=(90, 90))
     plain = ZoomCache(tiny, "oracle_topk", 40)
-    greedy(tiny, ids, mask, plain, new=8)
+    greedy(tiny, ids, mask, plain, new=_steps(8))
     quant = ZoomCache(tiny, "oracle_topk", 40, kv_quant=bits)
-    greedy(tiny, ids, mask, quant, new=8)
+    greedy(tiny, ids, mask, quant, new=_steps(8))
     _assert_tiers_placed(quant)
     ratio = quant.memory_report().host_bytes / plain.memory_report().host_bytes
     assert ratio < (0.6 if bits == "int8" else 0.35), ratio
@@ -129,7 +150,7 @@ def test_bfloat16_model_runs_every_recallable_method():
     for name in RECALLABLE:
         method = get_method(name)
         cache = ZoomCache(model, method, max(method.min_budget(), 40))
-        out = greedy(model, ids, mask, cache, new=8)
+        out = greedy(model, ids, mask, cache, new=_steps(8))
         assert all(torch.isfinite(s).any() for s in out.scores), name
         _assert_tiers_placed(cache)
 
@@ -179,6 +200,7 @@ def test_host_tiers_in_exactly_sized_page_locked_memory_never_synchronise_the_de
 
 
 def _steps_without_a_wait(tiny, cache: ZoomCache, lengths=(90, 61), steps: int = 12) -> None:
+    steps = _steps(steps)
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("torch.cuda.set_sync_debug_mode is CUDA's")
     ids, mask = _batch(tiny, lengths=lengths)
@@ -425,9 +447,9 @@ def test_the_gpu_step_selects_what_the_cpu_step_selects(tiny, name):
     """The same greedy tokens from the GPU's step (torch ops and Triton kernels) as from the CPU's (the
     compiled CPU step for sekv), on a padded batch at a small budget."""
     ids, mask = _batch(tiny, lengths=(90, 61))
-    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, name, 40), new=12)
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, name, 40), new=_steps(12))
     cpu_model, _ = load_model(tiny.zoomkv_name)
-    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, name, 40), new=12)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, name, 40), new=_steps(12))
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences), name
 
 
@@ -441,7 +463,7 @@ def test_reading_only_the_missed_rows_gives_the_tokens_of_reading_every_row(tiny
     runs = []
     for on in (True, False):
         with recall_misses_only(on):
-            runs.append(greedy(tiny, ids, mask, ZoomCache(tiny, name, 40), new=12))
+            runs.append(greedy(tiny, ids, mask, ZoomCache(tiny, name, 40), new=_steps(12)))
     assert torch.equal(runs[0].sequences, runs[1].sequences), name
 
 
@@ -461,9 +483,9 @@ def test_a_trained_hash_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
         adapter.hash_key.add_(torch.randn_like(adapter.hash_key) * 0.1)
         adapter.hash_query.mul_(1.5)
     ids, mask = _batch(tiny, lengths=(90, 61))
-    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(adapter=adapter), 40), new=12)
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(adapter=adapter), 40), new=_steps(12))
     cpu_model, _ = load_model(tiny.zoomkv_name)
-    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(adapter=adapter), 40), new=12)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(adapter=adapter), 40), new=_steps(12))
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
 
 
@@ -475,9 +497,9 @@ def test_a_fitted_index_selects_on_the_gpu_what_it_selects_on_the_cpu(tiny):
     cfg = tiny.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ids, mask = _batch(tiny, lengths=(300, 220))
-    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(fit_bits=d), 40), new=12)
+    on_device = greedy(tiny, ids, mask, ZoomCache(tiny, SeKV(fit_bits=d), 40), new=_steps(12))
     cpu_model, _ = load_model(tiny.zoomkv_name)
-    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(fit_bits=d), 40), new=12)
+    on_cpu = greedy(cpu_model, ids.cpu(), mask.cpu(), ZoomCache(cpu_model, SeKV(fit_bits=d), 40), new=_steps(12))
     assert torch.equal(on_device.sequences.cpu(), on_cpu.sequences)
 
 
@@ -494,7 +516,7 @@ def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mod
     model with graphs off (``ZOOMKV_CUDA_GRAPHS=0``: the step as it ran before graphs)."""
     from zoomkv.memory import graphs
 
-    if torch.device(DEVICE).type != "cuda":
+    if torch.device(DEVICE).type != "cuda" or STANDIN:
         pytest.skip("CUDA graphs are CUDA's (tests/test_graphs.py emulates them on the CPU)")
     name, kwargs, host_format = GRAPH_CASES[case]
     ids, mask = _batch(tiny, lengths=(400, 290))
@@ -518,6 +540,8 @@ def test_a_captured_step_gives_the_tokens_of_a_step_run_as_it_is(tiny, case, mod
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_captured_steps_never_synchronise_the_device(tiny, case, mode, monkeypatch):
     """The steps that capture and replay, under ``set_sync_debug_mode("error")``."""
+    if STANDIN:
+        pytest.skip("CUDA graphs are CUDA's (the stand-in runs with them off)")
     monkeypatch.setenv("ZOOMKV_CUDA_GRAPHS", mode)
     name, kwargs, host_format = GRAPH_CASES[case]
     cache = ZoomCache(tiny, get_method(name, **kwargs), 40, kv_quant=host_format)

@@ -130,6 +130,8 @@ def recall_rows(
         reserve_recall_buffer(memory, k, prefix)
         rk = tier[f"{prefix}_keys"][:, :, :k]
         rv = tier[f"{prefix}_values"][:, :, :k]
+        if idx is not None and idx.device != rk.device:  # an index the host made (SentenceKV's): the plan, the held
+            idx = idx.to(rk.device, non_blocking=True)  # rows' map and the reads run where the buffer is
         if idx is None or not misses_only(memory):
             tier.pop(f"{prefix}_held", None)
             gather_into(keys, idx, rk)

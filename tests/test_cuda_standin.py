@@ -1,0 +1,137 @@
+"""The GPU's code paths on a CPU machine: tests/test_cuda.py on the CUDA stand-in (tests/cuda_standin.py).
+
+The stand-in's own rules are held here first (each a way a GPU run fails that a CPU run does not show), then
+tests/test_cuda.py's checks run on it. Both in a child process (``ZOOMKV_TEST_DEVICE=standin``): the stand-in
+registers a device guard for CUDA in the process that runs it, and the kernels need Triton's interpreter on
+before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import cuda_standin
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_STANDIN = os.environ.get("ZOOMKV_TEST_DEVICE") == "standin"
+
+# tests/test_cuda.py's checks the stand-in runs in `make test`, on tiny-llama (tiny-gemma3's layout runs the same
+# code), in two processes at once: ~2 minutes of the ~25 the whole file takes here (its kernels run under Triton's
+# interpreter, ~0.1 s a launch). `ZOOMKV_TEST_DEVICE=standin TRITON_INTERPRET=1 pytest tests/test_cuda.py` runs it all.
+SELECTIONS = (
+    "tiny-llama and (test_decode_steps_never_synchronise_the_device or test_the_gpu_step_selects_what_the_cpu_step"
+    " or test_a_fitted_index_selects_on_the_gpu)",
+    "standin_ or (tiny-llama and (test_full_on_the_device_matches_the_cpu or test_small_budget_holds_and_tiers_are"
+    " or test_tail_summary_on_the_device or (test_a_coded_host_tier_never_synchronises_the_device and k8v4)"
+    " or (within_the_budget_never_synchronises and sekv)))",
+)
+
+
+@pytest.mark.skipif(IN_STANDIN or torch.cuda.is_available(), reason="the driver runs the children")
+def test_the_standins_rules_and_the_gpu_checks_hold_on_it():
+    pytest.importorskip("triton")
+    if not cuda_standin.available():
+        pytest.skip("the stand-in needs a C++ compiler for its device guard")
+    env = {**os.environ, "ZOOMKV_TEST_DEVICE": "standin", "TRITON_INTERPRET": "1"}
+    children = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                                  "tests/test_cuda.py", "-k", selection], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for selection in SELECTIONS]
+    for child in children:
+        out, _ = child.communicate(timeout=1500)
+        assert child.returncode == 0, out[-8000:]
+        assert " passed" in out.splitlines()[-1], out[-2000:]
+
+
+# -- the stand-in's rules (in the child) ------------------------------------------------------------------------
+standin_only = pytest.mark.skipif(not IN_STANDIN, reason="runs in the stand-in's child process")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    with cuda_standin.active(monkeypatch):
+        cuda_standin.reset()
+        yield
+
+
+@standin_only
+def test_standin_tensors_say_cuda_and_compute_as_the_cpu(standin):
+    x = torch.arange(12.0).view(3, 4)
+    on = x.to("cuda")
+    assert on.is_cuda and on.device == torch.device("cuda", 0) and not x.is_cuda
+    y = (on * 2 + 1)[:, 1:]
+    y.add_(1)
+    assert y.is_cuda and torch.equal(y.cpu(), (x * 2 + 2)[:, 1:])
+    assert torch.zeros(2, device="cuda").is_cuda and torch.tensor([1, 2], device="cuda").is_cuda
+
+
+@standin_only
+def test_standin_refuses_a_cpu_tensor_beside_a_cuda_one(standin):
+    on = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="same device"):
+        on.masked_fill(torch.ones(4, dtype=torch.bool), 0.0)  # the mask GPU run e123a67 failed on
+    assert (on + torch.tensor(2.0)).is_cuda  # a 0-dim CPU tensor is a scalar, as on CUDA
+    assert on[torch.tensor([0, 2])].shape == (2,)  # indices on the host are moved
+    with pytest.raises(RuntimeError, match="indices"):
+        torch.ones(4)[torch.tensor([0, 2], device="cuda")]
+
+
+@standin_only
+def test_standin_counts_what_waits_for_the_gpu_and_raises_in_error_mode(standin):
+    on = torch.arange(6.0, device="cuda")
+    host = torch.empty(6)
+    pinned = torch.empty(6, pin_memory=True)
+    assert pinned.is_pinned() and not host.is_pinned() and not torch.empty(6, device="cuda").is_pinned()
+    assert on.sum().item() == 15.0 and len(cuda_standin.syncs()) == 1
+    pinned.copy_(on, non_blocking=True)  # asynchronous: no wait
+    assert len(cuda_standin.syncs()) == 1
+    torch.cuda.synchronize()
+    cuda_standin.reset()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for waits in (lambda: on.max().item(), lambda: torch.nonzero(on), lambda: on[on > 2], lambda: on.cpu(),
+                      lambda: host.copy_(on, non_blocking=True), lambda: bool(on[0]), lambda: on.tolist(),
+                      torch.cuda.synchronize):
+            with pytest.raises(RuntimeError, match="synchronizing"):
+                waits()
+        on.topk(2), pinned.copy_(on, non_blocking=True), on.to("cpu", non_blocking=True)  # none of these waits
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@standin_only
+def test_standin_refuses_the_host_reading_rows_a_copy_is_still_writing(standin):
+    on = torch.arange(8.0, device="cuda")
+    pinned = torch.zeros(16, pin_memory=True)
+    pinned[:8].copy_(on, non_blocking=True)
+    pinned[8:].fill_(1.0)  # other bytes: the host may write them
+    assert pinned[8:].sum().item() == 8.0
+    with pytest.raises(cuda_standin.RaceError):
+        pinned[:8].sum()
+    back = torch.empty(8, device="cuda")
+    back.copy_(pinned[:8], non_blocking=True)  # the GPU reads it in stream order
+    torch.cuda.synchronize()
+    assert torch.equal(pinned[:8], torch.arange(8.0)) and torch.equal(back.cpu(), torch.arange(8.0))
+
+
+@standin_only
+def test_standin_runs_a_kernel_where_a_gpu_runs_it(standin):
+    from zoomkv import kernels
+    from zoomkv.kernels.gather import gather_rows, gather_rows_reference
+
+    host = torch.randn(2, 3, 50, 8).pin_memory()
+    idx = torch.randint(0, 50, (2, 3, 7), device="cuda")
+    before = kernels.launches()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = gather_rows(host, idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert kernels.launches() == before + 1 and out.is_cuda
+    assert torch.equal(out.cpu(), gather_rows_reference(host.cpu(), idx.cpu()))
