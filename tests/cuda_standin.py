@@ -233,12 +233,33 @@ def _copy_syncs(src: torch.Tensor, to: torch.device, non_blocking: bool, dst_pin
     return False
 
 
+def _to(func, args: tuple, kwargs: dict) -> Any:
+    """``aten::to`` (when a mode sees it whole): itself where nothing changes, else the copy ``_to_copy`` makes. (Run
+    on the CPU tensor inside, it would return that tensor, wherever it was asked to go.)"""
+    bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+    src = bound["self"]
+    device, dtype = bound.get("device"), bound.get("dtype")
+    if "other" in bound:
+        device, dtype = bound["other"].device, bound["other"].dtype
+    device = torch.device(device) if device is not None else _device(src)
+    if device.type == "cuda" and device.index is None:
+        device = CUDA
+    dtype = dtype if dtype is not None else src.dtype
+    if device == _device(src) and dtype == src.dtype and not bound.get("copy"):
+        return src
+    return _dispatch(torch.ops.aten._to_copy.default, (src,), {"dtype": dtype, "device": device,
+                                                              "non_blocking": bool(bound.get("non_blocking"))})
+
+
 def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     name = func._schema.name
+    if name == "aten::to":
+        return _to(func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     standins = [t for t in tensors if isinstance(t, StandIn)]
-    device_kw = kwargs.get("device")
+    # where the op puts its result when it says (``device=``, or positionally: ``aten::to.device``)
+    device_kw = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), None))
     device_kw = torch.device(device_kw) if device_kw is not None else None
     pin = bool(kwargs.get("pin_memory"))
     if name == "aten::is_pinned":  # (a plain CPU tensor too: torch would ask for an accelerator)
@@ -276,11 +297,11 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
         _host_touch(standins, name)
 
     unwrapped_kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
-    if device_kw is not None:
+    if "device" in kwargs:
         unwrapped_kwargs["device"] = CPU
     if "pin_memory" in unwrapped_kwargs:
         unwrapped_kwargs["pin_memory"] = False
-    out = func(*tree_map(_unwrap, args), **unwrapped_kwargs)
+    out = func(*tree_map(lambda a: CPU if isinstance(a, torch.device) else _unwrap(a), args), **unwrapped_kwargs)
 
     result_device = device_kw or (_device(tensors[0]) if tensors else CPU)
     if name == "aten::copy_":

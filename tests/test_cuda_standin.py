@@ -135,3 +135,39 @@ def test_standin_runs_a_kernel_where_a_gpu_runs_it(standin):
         torch.cuda.set_sync_debug_mode("default")
     assert kernels.launches() == before + 1 and out.is_cuda
     assert torch.equal(out.cpu(), gather_rows_reference(host.cpu(), idx.cpu()))
+
+
+@standin_only
+def test_standin_runs_the_gpu_benchmark(standin, monkeypatch, capsys):
+    """``zoomkv bench --device cuda`` (what ``scripts/cuda_check.sh`` runs first on a GPU): the hf row, the methods'
+    timed runs, ``--profile``'s synchronised phases and ``--sync-audit`` on CUDA tensors; the decode steps of sekv
+    and Quest wait for nothing. The runtime calls torch makes on a GPU answer as a GPU's would (one device, no
+    memory in use)."""
+    import json
+    from types import SimpleNamespace
+
+    from zoomkv.cli import main
+    from zoomkv.memory import pinned
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "CUDA stand-in")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=80 << 30, name="CUDA stand-in"))
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    for name in ("reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(pinned, "EXACT_BYTES", 1 << 62)  # torch's pinned memory: the stand-in's (no cudaHostRegister)
+    rc = main(["bench", "--model", "tiny-llama", "--device", "cuda", "--length", "300", "--new-tokens", "4",
+               "--repeats", "1", "--no-warmup", "--methods", "full,sekv,quest", "--budgets", "40", "--profile",
+               "--sync-audit", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {r["method"]: r for r in json.loads(out)["rows"]}
+    assert set(rows) == {"hf", "full", "sekv", "quest"}, sorted(rows)
+    assert json.loads(out)["device"] == "cuda:0"
+    for method, row in rows.items():
+        assert row["syncs_per_step"] == 0, (method, row.get("sync_events"))
+        assert row["decode_hf_ratio"] > 0 and (method == "hf" or row["profile_ms"]["step"] > 0), row
+    assert rows["sekv"]["host_bytes"] > 0 and rows["sekv"]["device_bytes"] < rows["full"]["device_bytes"]
