@@ -242,10 +242,8 @@ def _to(func, args: tuple, kwargs: dict) -> Any:
     if "other" in bound:
         device, dtype = bound["other"].device, bound["other"].dtype
     device = torch.device(device) if device is not None else _device(src)
-    if device.type == "cuda" and device.index is None:
-        device = CUDA
     dtype = dtype if dtype is not None else src.dtype
-    if device == _device(src) and dtype == src.dtype and not bound.get("copy"):
+    if device.type == _device(src).type and dtype == src.dtype and not bound.get("copy"):
         return src
     return _dispatch(torch.ops.aten._to_copy.default, (src,), {"dtype": dtype, "device": device,
                                                               "non_blocking": bool(bound.get("non_blocking"))})
@@ -261,6 +259,8 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     # where the op puts its result when it says (``device=``, or positionally: ``aten::to.device``)
     device_kw = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), None))
     device_kw = torch.device(device_kw) if device_kw is not None else None
+    if device_kw is not None and device_kw.type == "cuda" and device_kw.index is None:
+        device_kw = CUDA  # ("cuda" is the current device, as torch resolves it)
     pin = bool(kwargs.get("pin_memory"))
     if name == "aten::is_pinned":  # (a plain CPU tensor too: torch would ask for an accelerator)
         return _is_pinned(args[0])

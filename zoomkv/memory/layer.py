@@ -154,8 +154,8 @@ class LayerMemory(CacheLayerMixin):
             # prompt's bf16 rows would otherwise be coded by torch's ops on the host: minutes at 32 x 32K tokens)
             on_device = tensor.is_cuda and self.pin_host and rows_spec.layout == "token" and not rows_spec.outliers
             coded = row_buffer(tensor if on_device else self.to_host(tensor), rows_spec, pinned=self.pin_host,
-                               open_device=self.device)
-            if self.pin_host:  # room, as below
+                               open_device=self.device, room=self.host_room if self.pin_host else 0)
+            if self.pin_host:  # room, as below (a per-token buffer was made with it)
                 coded.reserve(self.host_room)
             return coded
         if self.pin_host and tensor.is_cuda:

@@ -33,7 +33,6 @@ from zoomkv.errors import ConfigError
 from zoomkv.kernels import dequant as kernel_dequant
 from zoomkv.kernels import quantize as kernel_quantize
 from zoomkv.kernels.gather import gather_to_slots_reference
-from zoomkv.memory import pinned as pinned_memory
 from zoomkv.memory.tiers import RowBuffer
 from zoomkv.native import Kernel
 
@@ -235,13 +234,14 @@ def _code_native(rows: torch.Tensor, codes: RowBuffer, scale: RowBuffer, lo: Row
 
 
 def row_buffer(data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False,
-               open_device: torch.device | None = None) -> RowBuffer:
+               open_device: torch.device | None = None, room: int = 0) -> RowBuffer:
     """A quantized buffer for rows ``data`` ``[b, h, n, d]``: per channel (``ChannelQuantizedRowBuffer``, its
-    open block on ``open_device``) or per token (``QuantizedRowBuffer``), as ``spec`` says."""
+    open block on ``open_device``) or per token (``QuantizedRowBuffer``; ``room``: rows allocated past them), as
+    ``spec`` says."""
     q = spec.for_rows() if isinstance(spec, QuantSpec) else spec
     if q.layout == "channel":
         return ChannelQuantizedRowBuffer(data, q, pinned=pinned, open_device=open_device)
-    return QuantizedRowBuffer(data, q, pinned=pinned)
+    return QuantizedRowBuffer(data, q, pinned=pinned, room=room)
 
 
 class QuantizedRowBuffer(RowBuffer):
@@ -251,9 +251,9 @@ class QuantizedRowBuffer(RowBuffer):
     group does not divide (a rank-gated host tier's coordinates, say 19 of 64 directions) is one group a row,
     and a width the packing does not divide is padded (the pad repeats the row's last value), cut off again by
     ``view()``. With ``outliers``, that many channels of each KV head (the largest in magnitude of the first
-    rows) are held exact in fp16 beside the codes."""
+    rows) are held exact in fp16 beside the codes. ``room``: rows allocated past ``data``'s in every part."""
 
-    def __init__(self, data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False):
+    def __init__(self, data: torch.Tensor, spec: QuantSpec | RowQuant, *, pinned: bool = False, room: int = 0):
         self.spec = spec.for_rows() if isinstance(spec, QuantSpec) else spec
         self.bits = self.spec.bits
         self.dtype = data.dtype
@@ -270,10 +270,9 @@ class QuantizedRowBuffer(RowBuffer):
         if self.exact is not None or self.pad or not self._init_native(data, pinned):
             codes, scale, lo = quantize(self._prepared(data), self.bits, self.group)
             # coded where the rows are (a GPU's prefill: there, in parallel), held where the buffer lives: a
-            # pinned buffer's codes on the host
-            self.codes, self.scale, self.lo = (
-                RowBuffer(pinned_memory.copy_of(part) if pinned and part.is_cuda else part, pinned=pinned)
-                for part in (codes, scale, lo))
+            # pinned buffer's codes go to the host by asynchronous copies (the prefill goes on; a host read waits)
+            self.codes, self.scale, self.lo = (RowBuffer.with_room(part, room, pinned=pinned)
+                                               for part in (codes, scale, lo))
         self.pinned = self.codes.pinned
         self.length = data.shape[2]
 

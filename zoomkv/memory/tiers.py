@@ -31,11 +31,13 @@ class RowBuffer:
 
     @classmethod
     def with_room(cls, data: torch.Tensor, room: int, *, pinned: bool = False) -> RowBuffer:
-        """A buffer holding ``data`` with ``room`` more rows allocated after it (none: ``data`` itself)."""
-        if room <= 0:
+        """A buffer holding ``data`` with ``room`` more rows allocated after it (none, where it is: ``data``
+        itself); ``pinned``: in pinned host memory, a GPU's rows copied there without waiting."""
+        if room <= 0 and not (pinned and data.is_cuda):
             return cls(data, pinned=pinned)
         b, h, n, d = data.shape
-        buf = cls.empty_like(b, h, n + room, d, dtype=data.dtype, device=data.device, pinned=pinned)
+        device = torch.device("cpu") if pinned else data.device
+        buf = cls.empty_like(b, h, n + room, d, dtype=data.dtype, device=device, pinned=pinned)
         buf.append(data)
         return buf
 
