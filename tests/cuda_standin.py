@@ -66,7 +66,7 @@ class RaceError(RuntimeError):
 @functools.cache
 def available() -> bool:
     """Whether the stand-in can run here: a CPU-only torch (a real GPU is tested as itself) and a C++ compiler for
-    the device guard."""
+    the device guard. It registers the guard in this process for good: ask only in a process that runs the stand-in."""
     if torch.cuda.is_available():
         return False
     try:

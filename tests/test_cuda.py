@@ -1,7 +1,9 @@
 """The runtime on an accelerator: every method on CUDA, tiers where they belong, results as on the CPU.
 
 Skipped where no GPU is present (this repository's CI has none); ``scripts/cuda_check.sh`` runs it on a
-CUDA machine. ``ZOOMKV_TEST_DEVICE=cpu`` runs the same checks on the CPU, to try the file anywhere.
+CUDA machine. ``ZOOMKV_TEST_DEVICE=cpu`` runs the same checks on the CPU, to try the file anywhere;
+``ZOOMKV_TEST_DEVICE=standin`` (with ``TRITON_INTERPRET=1``) on the CUDA stand-in, tests/cuda_standin.py: what
+a GPU run would fail on, found on the CPU (tests/test_cuda_standin.py runs a selection in ``make test``).
 """
 
 from __future__ import annotations
@@ -404,10 +406,11 @@ def test_a_coded_host_tier_is_decoded_on_the_gpu_as_on_the_cpu(fmt):
     fetch = torch.rand(4, 8, 1000) < 0.3
     out = torch.zeros(4, 8, 1000, 128, device=DEVICE)
     ref = torch.zeros(4, 8, 1000, 128)
+    on_device = [t.to(DEVICE) for t in (idx, dest, fetch)]  # (a blocking copy is a wait: before the check)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        pinned.gather_to_slots(idx.to(DEVICE), dest.to(DEVICE), fetch.to(DEVICE), out)
+        pinned.gather_to_slots(*on_device, out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     on_cpu.gather_to_slots(idx, dest, fetch, ref)
