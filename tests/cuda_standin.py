@@ -40,6 +40,7 @@ from zoomkv import kernels
 from zoomkv.memory import sync_audit
 
 CUDA = torch.device("cuda", 0)
+_LAUNCH = kernels.launch  # (``active`` puts the stand-in's in its place)
 CPU = torch.device("cpu")
 
 _GUARD_SOURCE = r"""
@@ -50,9 +51,9 @@ bool registered() { return true; }
 """
 
 # Ops that may take tensors of both devices: copies, and indexing (indices on the CPU are moved by torch).
-_CROSSING = frozenset({"aten::copy_", "aten::_to_copy", "aten::to", "aten::index", "aten::index_put",
-                       "aten::index_put_", "aten::_index_put_impl_", "aten::_unsafe_index", "aten::is_pinned",
-                       "aten::_pin_memory", "aten::pin_memory"})
+_INDEXING = sync_audit.INDEXING | {"aten::_unsafe_index"}
+_CROSSING = _INDEXING | {"aten::copy_", "aten::_to_copy", "aten::to", "aten::is_pinned", "aten::_pin_memory",
+                         "aten::pin_memory"}
 # Ops that read no element (shape, views, fresh memory): the host may do them to memory a copy is still writing.
 _NO_READ = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                       "aten::new_empty_strided", "aten::is_pinned", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -205,8 +206,7 @@ def _check_devices(name: str, tensors: list[torch.Tensor]) -> None:
 
 
 def _check_indices(name: str, args: tuple) -> None:
-    if name not in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
-                    "aten::_unsafe_index"):
+    if name not in _INDEXING:
         return
     self_device = _device(args[0])
     for index in args[1] if len(args) > 1 else ():
@@ -348,13 +348,10 @@ def _standin_usable(*tensors: torch.Tensor) -> bool:
 
 
 def _standin_launch(make, grid, *args, **kwargs) -> None:
-    """A kernel launched on the stand-in: run under Triton's interpreter on the CPU tensors inside."""
-    kernels._Launches.count += 1
-    kernels._Launches.running += 1
-    try:
-        make(True)[grid](*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
-    finally:
-        kernels._Launches.running -= 1
+    """A kernel launched on the stand-in: ``zoomkv.kernels.launch`` (counted as one), run under Triton's interpreter
+    on the CPU tensors inside."""
+    _LAUNCH(lambda _interpreting: make(True), grid, *(_unwrap(a) for a in args),
+            **{k: _unwrap(v) for k, v in kwargs.items()})
 
 
 def _kernel_modules() -> list[Any]:

@@ -161,11 +161,7 @@ class LayerMemory(CacheLayerMixin):
         if self.pin_host and tensor.is_cuda:
             # Room for the next rows, which a GPU step writes without waiting: growing copies on the host, after
             # waiting for the copies in flight (once per HOST_ROOM rows or ~3%, not per step).
-            b, h, n, d = tensor.shape
-            buf = RowBuffer.empty_like(b, h, n + self.host_room, d, dtype=tensor.dtype, device=torch.device("cpu"),
-                                       pinned=True)
-            buf.append(tensor)
-            return buf
+            return RowBuffer.with_room(tensor, self.host_room, pinned=True)
         return RowBuffer(self.to_host(tensor), pinned=self.pin_host)
 
     @property
