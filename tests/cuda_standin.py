@@ -16,7 +16,12 @@ they give on a GPU and fail where a GPU would fail them:
   the host's to read or write until a synchronisation (a GPU would let the host see the bytes before they
   land); the host touching it first raises (``RaceError``). The device's own kernels read it in stream order;
 - **Triton kernels** launch where they would on a GPU and run under Triton's interpreter on the CPU tensors
-  inside.
+  inside;
+- **device memory**: the bytes of every live storage on the device (rounded up to 512, as CUDA's caching allocator
+  hands out blocks), so ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats``
+  answer as on a GPU, and ``peak_by_location()`` says which lines allocated what the peak held (``trace(True)``).
+  What it cannot count: temporaries inside one op (torch's attention on the CPU computes its whole score
+  matrix where FlashAttention does not), and the allocator's cached, fragmented memory (``memory_reserved``).
 
 What it cannot show: time, and what only a GPU's runtime does (CUDA graphs are left off:
 ``ZOOMKV_CUDA_GRAPHS=0``; ``cudaHostRegister``; a real stream's overlap). A C++ device guard for CUDA (c10's
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +49,10 @@ from zoomkv.memory import sync_audit
 CUDA = torch.device("cuda", 0)
 _LAUNCH = kernels.launch  # (``active`` puts the stand-in's in its place)
 CPU = torch.device("cpu")
+_HERE = os.path.abspath(__file__)
+_ROOT = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+BEFORE = "(before the last reset_peak_memory_stats)"
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 _GUARD_SOURCE = r"""
 #include <torch/extension.h>
@@ -86,6 +97,14 @@ class _State:
     pinned: weakref.WeakSet = weakref.WeakSet()
     # of those, the bytes a non-blocking copy from the device writes, not yet waited for: storage -> bool per byte
     in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # storages on the device (weakly: each one's bytes are given back when its last tensor goes)
+    on_device: weakref.WeakSet = weakref.WeakSet()
+    allocated = 0  # bytes of the live ones
+    peak = 0  # the most since the last reset_peak_memory_stats
+    tracing = False  # whether each allocation notes the line that made it (slow: a stack walk each)
+    where: dict[int, tuple[int, str]] = {}  # id of a live storage -> (bytes, line), while tracing
+    at_peak: dict[str, int] = {}  # line -> bytes live at the last peak noted, while tracing
+    noted = 0  # the peak at_peak was taken at
 
 
 def syncs() -> list[str]:
@@ -95,6 +114,78 @@ def syncs() -> list[str]:
 
 def reset() -> None:
     _State.syncs.clear()
+
+
+def memory_allocated(device: Any = None) -> int:
+    return _State.allocated
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return _State.peak
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    _State.peak = _State.noted = _State.allocated
+    for key, (size, _line) in _State.where.items():  # (what lives on is the new peak's base)
+        _State.where[key] = (size, BEFORE)
+    _State.at_peak = _by_location()
+
+
+def trace(on: bool) -> None:
+    """Note the line that allocates each device storage from now on (``peak_by_location`` reads them)."""
+    _State.tracing = on
+
+
+def peak_by_location() -> dict[str, int]:
+    """The device bytes live at the peak, by the line that allocated them (storages allocated while tracing and
+    after the last ``reset_peak_memory_stats``; those from before it under ``BEFORE``, the rest under ``"?"``),
+    largest first."""
+    return dict(sorted(_State.at_peak.items(), key=lambda kv: -kv[1]))
+
+
+def _by_location() -> dict[str, int]:
+    lines: dict[str, int] = {}
+    for size, line in _State.where.values():
+        lines[line] = lines.get(line, 0) + size
+    untraced = _State.allocated - sum(lines.values())
+    if untraced:
+        lines["?"] = untraced
+    return lines
+
+
+def _freed(key: int, size: int) -> None:
+    _State.allocated -= size
+    _State.where.pop(key, None)
+
+
+def _allocated(inner: torch.Tensor) -> None:
+    """A device tensor's storage, counted once while it lives."""
+    storage = inner.untyped_storage()
+    if storage in _State.on_device:
+        return
+    _State.on_device.add(storage)
+    size = -(-storage.nbytes() // 512) * 512
+    _State.allocated += size
+    weakref.finalize(storage, _freed, id(storage), size)
+    if _State.tracing:
+        _State.where[id(storage)] = (size, _allocating_line())
+    _State.peak = max(_State.peak, _State.allocated)
+    # while tracing, the lines behind the peak noted again each time it has grown by 1/64 (a walk over the live
+    # storages): within 2% of the peak itself
+    if _State.tracing and _State.allocated > _State.noted + _State.noted // 64:
+        _State.at_peak, _State.noted = _by_location(), _State.allocated
+
+
+def _allocating_line() -> str:
+    """The innermost frame outside torch and this file: the model's or zoomkv's line that asked for the memory."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = os.path.abspath(frame.filename)
+        if path != _HERE and not path.startswith(_TORCH):
+            # (a library's path from its site-packages, one inside the checkout from its root)
+            where = path.rsplit("site-packages" + os.sep, 1)[-1] if "site-packages" in path else \
+                os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path
+            return f"{where}:{frame.lineno} {frame.name}"
+    return "?"
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -127,6 +218,8 @@ class StandIn(torch.Tensor):
                                                 storage_offset=inner.storage_offset(), dtype=inner.dtype,
                                                 device=device, requires_grad=inner.requires_grad)
         t.inner = inner
+        if t.is_cuda:
+            _allocated(inner)
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -381,6 +474,9 @@ def active(monkeypatch) -> Iterator[None]:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
+    for counter in (memory_allocated, max_memory_allocated, reset_peak_memory_stats):
+        monkeypatch.setattr(torch.cuda, counter.__name__, counter)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     for module in [kernels, *_kernel_modules()]:
         if hasattr(module, "usable"):
             monkeypatch.setattr(module, "usable", _standin_usable)
@@ -396,8 +492,26 @@ def active(monkeypatch) -> Iterator[None]:
             yield
     finally:
         torch._C._set_only_lift_cpu_tensors(lift)
-        _State.strict = False
+        _State.strict = _State.tracing = False
+        _State.where.clear()
     _State.in_flight.clear()
+
+
+def as_gpu(monkeypatch, total_memory: int = 80 << 30) -> None:
+    """Inside ``active``: the runtime questions a command asks torch before it runs on a GPU answered as one GPU
+    would answer them (available, one device, its name and size), and the host tier's pinned memory torch's own (no
+    ``cudaHostRegister`` here). ``torch.cuda.is_available()`` stays False otherwise: the tests of placement rely on
+    it."""
+    from types import SimpleNamespace
+
+    from zoomkv.memory import pinned
+
+    device = SimpleNamespace(total_memory=total_memory, name="CUDA stand-in")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "CUDA stand-in")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _=None: device)
+    monkeypatch.setattr(pinned, "EXACT_BYTES", 1 << 62)
 
 
 def on_standin(t: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,27 @@ def test_standin_refuses_the_host_reading_rows_a_copy_is_still_writing(standin):
 
 
 @standin_only
+def test_standin_counts_device_memory_as_cudas_allocator(standin):
+    """Each device storage counts once while it lives, in 512-byte blocks; views and host memory do not count;
+    the peak since the last reset, and the lines behind it."""
+    base = torch.cuda.memory_allocated()
+    cuda_standin.trace(True)
+    x = torch.zeros(1000, device="cuda")  # 4,000 bytes: 4,096 allocated
+    views = (x[10:], x.view(10, 100), x.unsqueeze(0))
+    torch.ones(3000).pin_memory()
+    assert torch.cuda.memory_allocated() == base + 4096
+    torch.cuda.reset_peak_memory_stats()
+    doubled = x * 2  # a second 4,096
+    del doubled
+    assert torch.cuda.memory_allocated() == base + 4096 and torch.cuda.max_memory_allocated() == base + 8192
+    peak = cuda_standin.peak_by_location()
+    assert sum(peak.values()) == base + 8192
+    assert any(line.startswith("tests/test_cuda_standin.py:") and size == 4096 for line, size in peak.items()), peak
+    del x, views
+    assert torch.cuda.memory_allocated() == base
+
+
+@standin_only
 def test_standin_runs_a_kernel_where_a_gpu_runs_it(standin):
     from zoomkv import kernels
     from zoomkv.kernels.gather import gather_rows, gather_rows_reference
@@ -145,27 +166,17 @@ def test_standin_runs_a_kernel_where_a_gpu_runs_it(standin):
 def test_standin_runs_the_gpu_benchmark(standin, monkeypatch, capsys):
     """``zoomkv bench --device cuda`` (what ``scripts/cuda_check.sh`` runs first on a GPU): the hf row, the methods'
     timed runs, ``--profile``'s synchronised phases and ``--sync-audit`` on CUDA tensors; the decode steps of sekv
-    and Quest wait for nothing. The runtime calls torch makes on a GPU answer as a GPU's would (one device, no
-    memory in use)."""
+    and Quest wait for nothing; the CUDA peak column is the device memory the stand-in counts. The runtime calls
+    torch makes on a GPU answer as a GPU's would (one device, its name and size)."""
     import json
-    from types import SimpleNamespace
 
-    from zoomkv.cli import main
-    from zoomkv.memory import pinned
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import standin_bench
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "CUDA stand-in")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(total_memory=80 << 30, name="CUDA stand-in"))
-    for name in ("memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
-    for name in ("reset_peak_memory_stats", "empty_cache"):
-        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
-    monkeypatch.setattr(pinned, "EXACT_BYTES", 1 << 62)  # torch's pinned memory: the stand-in's (no cudaHostRegister)
-    rc = main(["bench", "--model", "tiny-llama", "--device", "cuda", "--length", "300", "--new-tokens", "4",
-               "--repeats", "1", "--no-warmup", "--methods", "full,sekv,quest", "--budgets", "40", "--profile",
-               "--sync-audit", "--json"])
+    rc = standin_bench.bench_on_standin(
+        monkeypatch, ["--model", "tiny-llama", "--device", "cuda", "--length", "300", "--new-tokens", "4",
+                      "--repeats", "1", "--no-warmup", "--methods", "full,sekv,quest", "--budgets", "40", "--profile",
+                      "--sync-audit", "--json"], peak_lines=3)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {r["method"]: r for r in json.loads(out)["rows"]}
@@ -175,3 +186,41 @@ def test_standin_runs_the_gpu_benchmark(standin, monkeypatch, capsys):
         assert row["syncs_per_step"] == 0, (method, row.get("sync_events"))
         assert row["decode_hf_ratio"] > 0 and (method == "hf" or row["profile_ms"]["step"] > 0), row
     assert rows["sekv"]["host_bytes"] > 0 and rows["sekv"]["device_bytes"] < rows["full"]["device_bytes"]
+    # the device memory the stand-in counted: sekv's prompt rows leave the device during the prefill
+    assert all(row["cuda_peak_bytes"] > 0 for row in rows.values())
+    assert rows["sekv"]["cuda_peak_bytes"] < min(rows["full"]["cuda_peak_bytes"], rows["hf"]["cuda_peak_bytes"])
+    # and which lines allocated each run's peak (scripts/standin_bench.py): full's own rows among full's
+    assert all(len(row["cuda_peak_lines"]) == 3 for row in rows.values())
+    assert any(line.startswith("zoomkv/memory/tiers.py") for line in rows["full"]["cuda_peak_lines"]), rows["full"]
+
+
+@standin_only
+@pytest.mark.parametrize("recipe", ["tiny-llama-sekv.yaml", "tiny-llama-semantic-id.yaml"])
+def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
+    """``zoomkv train`` with the accelerator on the GPU (what ``scripts/cuda_check.sh`` times there): the teacher
+    signals are extracted on the device and saved from the host, each micro-batch's sample goes to the adapter's
+    device, the method's objective's loss is computed there, the report and the export read the trained adapter there.
+    Autograd's engine and the optimiser's step ask torch for a real accelerator, which the stand-in is not: the
+    backward and the update are left out (their gradients are the CPU's, tests/test_train.py)."""
+    import accelerate
+
+    from zoomkv.cli import run_command
+    from zoomkv.models import load_model
+
+    cuda_standin.as_gpu(monkeypatch)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    losses: list[torch.device] = []
+    monkeypatch.setattr(accelerate.Accelerator, "backward", lambda self, loss, **kwargs: losses.append(loss.device))
+    monkeypatch.setattr(accelerate.optimizer.AcceleratedOptimizer, "step", lambda self, closure=None: None)
+    model, tokenizer = load_model("tiny-llama")
+    shape = tmp_path / "shape"
+    model.config.save_pretrained(shape)
+    tokenizer.save_pretrained(shape)
+    code = run_command("train", ["--recipe", str(ROOT / "recipes" / recipe), f"model={shape}",
+                                 "random_weights=true", "dtype=bfloat16", f"output_dir={tmp_path / 'out'}",
+                                 "num_samples=2", "queries_per_sample=2", "steps=2", "layers_per_step=2",
+                                 "eval_samples=0", "tensorboard=false"], prog="python -m zoomkv.train")
+    assert code == 0
+    assert losses and set(losses) == {torch.device("cuda", 0)}, losses
+    assert len(list((tmp_path / "out").glob("*/adapter/adapter_model.safetensors"))) == 1

@@ -123,6 +123,7 @@ def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
 
     # -- the optimiser, and where a resumed run starts
     engine = prepare_engine(accelerator, adapter, cfg)
+    cached = CachedSamples(paths, accelerator.device)  # where the prepared adapter now is
     start_step = 0
     if resume is not None:
         start_step = load_checkpoint_state(resume, engine.adapter, engine.moments)
@@ -273,16 +274,17 @@ def prepare_engine(accelerator: Any, adapter: torch.nn.Module, cfg: TrainConfig)
     return Engine(accelerator, raw, prepared, optimizer, moments, ds)
 
 
-def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int,
-                paths: list[Path]) -> tuple[dict[str, torch.Tensor], list[int], random.Random]:
+def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int, paths: list[Path],
+                device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], list[int], random.Random]:
     """Micro-batch ``micro`` of ``step`` (``total`` per step over all processes): its sample (the length
     curriculum), its layers and its random draws, all functions of (seed, step, micro) so a resumed run
     needs only the step. The global batch is numbered alike however it is split over processes
-    (2 processes x 1 sample = 1 process x 2 samples)."""
+    (2 processes x 1 sample = 1 process x 2 samples). The sample's tensors on ``device``, the adapter's."""
     rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
     torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
     sample = load_sample(paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)])
-    every = sample["layers"].tolist()
+    every = sample["layers"].tolist()  # (read on the host, before the sample moves)
+    sample = {name: tensor.to(device) for name, tensor in sample.items()}
     layers = sorted(rng.sample(every, min(cfg.layers_per_step or len(every), len(every))))
     return sample, layers, rng
 
@@ -298,7 +300,8 @@ def train_step(engine: Engine, cfg: TrainConfig, step: int, paths: list[Path]) -
     total_loss = torch.zeros(())
     for j in range(per_proc):
         micro = accelerator.process_index * per_proc + j
-        sample, layers, rng = micro_batch(cfg, step, micro, accelerator.num_processes * per_proc, paths)
+        sample, layers, rng = micro_batch(cfg, step, micro, accelerator.num_processes * per_proc, paths,
+                                          accelerator.device)
         loss, losses = cfg.training.step_loss(engine.adapter, sample, layers, cfg, step, rng)
         total_loss = total_loss + loss.detach().float().cpu()
         if engine.deepspeed:  # the engine divides by samples_per_step, reduces, clips and steps after the last one

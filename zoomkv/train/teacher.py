@@ -54,25 +54,28 @@ def encode(tokenizer, text: str) -> torch.Tensor:
 
 @torch.inference_mode()
 def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recent: int) -> dict[str, torch.Tensor]:
-    record = record_prefill(model, ids)
+    record = record_prefill(model, ids.to(model.device))
     surprisal = record_surprisal(model, record)[0].float()
     t = ids.shape[1]
     layers = sorted(record.contexts)
-    cands = torch.arange(min(max(min_pos, t // 2), t - 1), t)
-    far = torch.zeros(len(cands))
+    # the signals are computed where the model ran (a GPU's), then saved from the host
+    device = record.contexts[layers[0]].keys.device
+    cands = torch.arange(min(max(min_pos, t // 2), t - 1), t, device=device)
+    far = torch.zeros(len(cands), device=device)
     probs_by_layer = {}
     for layer in layers:
         ctx = record.contexts[layer]
         q = ctx.queries[0][:, cands].float()  # [hq, C, d]
         k = ctx.keys[0].float().repeat_interleave(ctx.num_kv_groups, dim=0)  # [hq, T, d]
         logits = torch.matmul(q, k.transpose(-1, -2)) * ctx.scaling
-        causal = torch.arange(t)[None, :] > cands[:, None]
+        causal = torch.arange(t, device=device)[None, :] > cands[:, None]
         probs = torch.softmax(logits.masked_fill(causal, float("-inf")), -1)  # [hq, C, T]
         probs_by_layer[layer] = probs
-        old = torch.arange(t)[None, :] < (cands[:, None] - recent - 32)
+        old = torch.arange(t, device=device)[None, :] < (cands[:, None] - recent - 32)
         far += (probs * old).sum(-1).mean(0)
-    pick = far[:-1].topk(min(n_queries - 1, len(cands) - 1)).indices if len(cands) > 1 else torch.zeros(0, dtype=torch.long)
-    chosen = torch.cat([pick, torch.tensor([len(cands) - 1])]).sort().values
+    pick = far[:-1].topk(min(n_queries - 1, len(cands) - 1)).indices if len(cands) > 1 else \
+        torch.zeros(0, dtype=torch.long, device=device)
+    chosen = torch.cat([pick, torch.tensor([len(cands) - 1], device=device)]).sort().values
     out: dict[str, torch.Tensor] = {"ids": ids[0].clone(), "surprisal": surprisal, "positions": cands[chosen].clone(),
                                     "layers": torch.tensor(layers)}
     for layer in layers:
@@ -86,7 +89,7 @@ def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recen
             out[f"rotary_inv_freq.{layer}"] = table[0].contiguous()
             out[f"rotary_scaling.{layer}"] = torch.tensor(table[1])
     out["scaling"] = torch.tensor(record.contexts[layers[0]].scaling)
-    return out
+    return {name: tensor.cpu() for name, tensor in out.items()}
 
 
 def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_queries: int, min_pos: int, recent: int,
@@ -141,15 +144,17 @@ def load_sample(path: Path) -> dict[str, torch.Tensor]:
 
 
 class CachedSamples(Sequence):
-    """The cached teacher samples, read from disk when indexed (a slice is another ``CachedSamples``)."""
+    """The cached teacher samples, read from disk when indexed (a slice is another ``CachedSamples``), their
+    tensors put on ``device`` (the adapter's)."""
 
-    def __init__(self, paths: list[Path]):
+    def __init__(self, paths: list[Path], device: torch.device | str = "cpu"):
         self.paths = list(paths)
+        self.device = device
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return CachedSamples(self.paths[index])
-        return load_sample(self.paths[index])
+            return CachedSamples(self.paths[index], self.device)
+        return {name: tensor.to(self.device) for name, tensor in load_sample(self.paths[index]).items()}

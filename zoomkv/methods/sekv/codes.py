@@ -46,7 +46,14 @@ def _rotation_cpu(dim: int, seed: int) -> torch.Tensor:
 
 
 def rotation(dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A fixed random orthogonal ``[dim, dim]`` matrix (float32), drawn on the CPU from ``seed``."""
+    """A fixed random orthogonal ``[dim, dim]`` matrix (float32), drawn on the CPU from ``seed``, copied to another
+    device once (a training step asks for it at every prefix: a blocking copy each time on a GPU)."""
+    device = torch.device(device)
+    return _rotation_cpu(dim, seed) if device.type == "cpu" else _rotation_on(dim, seed, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_on(dim: int, seed: int, device: str) -> torch.Tensor:
     return _rotation_cpu(dim, seed).to(device)
 
 

@@ -89,12 +89,12 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
     z = (s - s.mean()) / s.std(unbiased=False).clamp_min(1e-6)
     tau = adapter.span_tau[layer]
     soft = torch.sigmoid(ANCHOR_SHARPNESS * (z - tau))
-    region = torch.zeros(n, dtype=torch.bool)
+    region = torch.zeros(n, dtype=torch.bool, device=k.device)
     region[cfg.sinks: max(cfg.sinks, n - cfg.recent)] = True
     with torch.no_grad():  # inference's choice: above the threshold, in the region, the most surprising first
         above = region & (z > tau.detach())
         most = int(cfg.anchor_fraction * n)
-        hard = torch.zeros(n)
+        hard = torch.zeros(n, device=k.device)
         if most > 0 and bool(above.any()):
             top = z.masked_fill(~above, float("-inf")).topk(min(most, int(above.sum()))).indices
             hard[top] = 1.0
@@ -153,7 +153,7 @@ def captured_mass(teacher: torch.Tensor, order_scores: torch.Tensor, rows: torch
     a = teacher.mean(1)  # [h, n]
     fixed = (a * ~region).sum(-1)  # sinks and recent rows
     ranked = order_scores.masked_fill(~region, float("-inf")).argsort(-1, descending=True)
-    cum = torch.cat([torch.zeros(a.shape[0], 1), torch.gather(a, -1, ranked).cumsum(-1)], -1)  # [h, n + 1]
+    cum = torch.cat([a.new_zeros(a.shape[0], 1), torch.gather(a, -1, ranked).cumsum(-1)], -1)  # [h, n + 1]
     most = int(region.sum())
     r = rows.clamp(0, most)
     lo = r.detach().floor().long().clamp(max=most)
@@ -250,7 +250,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     logits = router_logits(adapter, layer, student, query, scaling)  # [h, g, n]
     g = logits.shape[1]
     a = teacher[:, :n].float().view(h, g, n)
-    region = torch.zeros(n, dtype=torch.bool)
+    region = torch.zeros(n, dtype=torch.bool, device=a.device)
     region[cfg.sinks: n - cfg.recent] = True
     mass = (a * region).sum(-1)  # [h, g]: the teacher's mass where the router chooses
     target = (a * region) / mass[..., None].clamp_min(1e-9)
@@ -280,7 +280,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     gates = rank_gates(adapter, layer)
     exact = None  # the rows the host tier keeps exact: the sinks, the newest rows, the anchors
     if cfg.host_exact_sinks or cfg.host_exact_anchors or cfg.host_exact_late:
-        exact = torch.zeros(n, dtype=torch.bool)
+        exact = torch.zeros(n, dtype=torch.bool, device=kx.device)
         if cfg.host_exact_sinks:
             exact[:cfg.sinks] = True
         if cfg.host_exact_late:  # what inference holds exact after compression, here the newest rows
@@ -300,7 +300,8 @@ def sample_rope(sample: Sample, layer: int, length: int, cfg: SeKVConfig) -> tup
     host tier takes keys before RoPE; the teacher cache records each layer's rotary table."""
     if cfg.host_key_basis != "pre_rope" or f"rotary_inv_freq.{layer}" not in sample:
         return None
-    return rotary.angles(torch.arange(length), sample[f"rotary_inv_freq.{layer}"].float(),
+    inv_freq = sample[f"rotary_inv_freq.{layer}"].float()
+    return rotary.angles(torch.arange(length, device=inv_freq.device), inv_freq,
                          float(sample[f"rotary_scaling.{layer}"]))
 
 
@@ -528,10 +529,10 @@ class SeKVTraining(MethodTraining):
                         logits = router_logits(modules, pos, student, sample[f"q.{layer}"][:, p], scaling)
                         h, g = logits.shape[:2]
                         at = a[:, :n].view(h, g, n)
-                        region = torch.zeros(n, dtype=torch.bool)
+                        region = torch.zeros(n, dtype=torch.bool, device=at.device)
                         region[mcfg.sinks: n - mcfg.recent] = True
                         rows = torch.tensor(recipe.budget * float(modules.layer_shares()[pos]) - 1
-                                            - mcfg.sinks - mcfg.recent)
+                                            - mcfg.sinks - mcfg.recent, device=at.device)
                         order = selection_order(modules, pos, student, sample[f"q.{layer}"][:, p], scaling, logits,
                                                 region, max(1, round(float(rows))), mcfg)
                         kept.setdefault(pos, []).append(float(captured_mass(at, order, rows, region)))
