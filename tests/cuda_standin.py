@@ -64,7 +64,7 @@ bool registered() { return true; }
 # Ops that may take tensors of both devices: copies, and indexing (indices on the CPU are moved by torch).
 _INDEXING = sync_audit.INDEXING | {"aten::_unsafe_index"}
 _CROSSING = _INDEXING | {"aten::copy_", "aten::_to_copy", "aten::to", "aten::is_pinned", "aten::_pin_memory",
-                         "aten::pin_memory"}
+                         "aten::pin_memory", "aten::_has_compatible_shallow_copy_type"}
 # Ops that read no element (shape, views, fresh memory): the host may do them to memory a copy is still writing.
 _NO_READ = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                       "aten::new_empty_strided", "aten::is_pinned", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -495,6 +495,14 @@ def active(monkeypatch) -> Iterator[None]:
         _State.strict = _State.tracing = False
         _State.where.clear()
     _State.in_flight.clear()
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Inside ``active``: a block of plain CPU work (``cuda`` tensors made in it are refused by torch as on a
+    CPU-only machine; the stand-in's tensors made before it keep their rules)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        yield
 
 
 def as_gpu(monkeypatch, total_memory: int = 80 << 30) -> None:

@@ -217,6 +217,10 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     shape = tmp_path / "shape"
     model.config.save_pretrained(shape)
     tokenizer.save_pretrained(shape)
+    # accelerate keeps its device for the process: a later run on the CPU starts from a fresh state
+    monkeypatch.setattr(accelerate.state.AcceleratorState, "_shared_state", {})
+    monkeypatch.setattr(accelerate.state.PartialState, "_shared_state", {})
+    monkeypatch.setattr(accelerate.state.GradientState, "_shared_state", {})
     code = run_command("train", ["--recipe", str(ROOT / "recipes" / recipe), f"model={shape}",
                                  "random_weights=true", "dtype=bfloat16", f"output_dir={tmp_path / 'out'}",
                                  "num_samples=2", "queries_per_sample=2", "steps=2", "layers_per_step=2",
@@ -224,3 +228,41 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     assert code == 0
     assert losses and set(losses) == {torch.device("cuda", 0)}, losses
     assert len(list((tmp_path / "out").glob("*/adapter/adapter_model.safetensors"))) == 1
+
+
+@standin_only
+def test_standin_runs_a_trained_adapter_as_the_readme_does(standin, monkeypatch, tmp_path, capsys):
+    """The README's snippet on the GPU: a trained sekv adapter's cache on a model on CUDA (its modules follow the
+    model there) gives the CPU's greedy tokens; so does ``zoomkv generate --device cuda`` prefilling in chunks."""
+    import json
+
+    from zoomkv.adapters import cache_from_adapter
+    from zoomkv.cli import run_command
+    from zoomkv.compat import generate_cache_kwargs
+    from zoomkv.models import load_model
+
+    with cuda_standin.off():  # trained on the CPU
+        assert run_command("train", ["--recipe", str(ROOT / "recipes" / "tiny-llama-sekv.yaml"),
+                                     f"output_dir={tmp_path}", "num_samples=2", "queries_per_sample=2", "steps=2",
+                                     "eval_samples=0", "tensorboard=false"], prog="python -m zoomkv.train") == 0
+    adapter = str(next(tmp_path.glob("*/adapter")))
+    text = "The archive keeps every letter. " * 10
+
+    def tokens(device: str) -> list[int]:
+        model, tokenizer = load_model("tiny-llama", device=device)
+        cache = cache_from_adapter(model, adapter, budget=32)
+        inputs = tokenizer([text], return_tensors="pt").to(device)
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, **generate_cache_kwargs(cache))
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def generated(device: str) -> str:
+        capsys.readouterr()
+        assert run_command("generate", ["--model", "tiny-llama", "--device", device, "--adapter", adapter, "--budget",
+                                        "32", "--prompt", text, "--max-new-tokens", "4", "--prefill-chunk", "64",
+                                        "--chat", "off", "--json"], prog="zoomkv generate") == 0
+        return json.loads(capsys.readouterr().out)["text"]
+
+    with cuda_standin.off():
+        on_cpu = tokens("cpu"), generated("cpu")
+    cuda_standin.as_gpu(monkeypatch)  # (the command line asks torch for a GPU first)
+    assert (tokens("cuda"), generated("cuda")) == on_cpu
