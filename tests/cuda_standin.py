@@ -410,7 +410,13 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
             return _pinned(o)
         return StandIn(o, result_device)
 
-    result = tree_map(wrap, out)
+    if func.is_view and torch.is_inference_mode_enabled() and not args[0].is_inference():
+        # a view of a tensor made outside inference mode (a parameter) is not an inference tensor: autograd sets
+        # its version counter from its base next, as it does for a CUDA tensor's view
+        with torch.inference_mode(False):
+            result = tree_map(wrap, out)
+    else:
+        result = tree_map(wrap, out)
     if in_flight_after is not None:
         _note_in_flight(in_flight_after)
     if pin and name == "aten::_to_copy" and result_device.type == "cpu" and isinstance(result, StandIn):

@@ -201,7 +201,8 @@ def test_standin_runs_the_gpu_benchmark(standin, monkeypatch, capsys):
 def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     """``zoomkv train`` with the accelerator on the GPU (what ``scripts/cuda_check.sh`` times there): the teacher
     signals are extracted on the device and saved from the host, each micro-batch's sample goes to the adapter's
-    device, the method's objective's loss is computed there, the report and the export read the trained adapter there.
+    device, the method's objective's loss is computed there, the report, the held-out scores and the export read the
+    trained adapter there.
     Autograd's engine and the optimiser's step ask torch for a real accelerator, which the stand-in is not: the
     backward and the update are left out (their gradients are the CPU's, tests/test_train.py)."""
     import accelerate
@@ -226,10 +227,11 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     code = run_command("train", ["--recipe", str(ROOT / "recipes" / recipe), f"model={shape}",
                                  "random_weights=true", "dtype=bfloat16", f"output_dir={tmp_path / 'out'}",
                                  "num_samples=2", "queries_per_sample=2", "steps=2", "layers_per_step=2",
-                                 "eval_samples=0", "tensorboard=false"], prog="python -m zoomkv.train")
+                                 "eval_samples=1", "tensorboard=false"], prog="python -m zoomkv.train")
     assert code == 0
     assert losses and set(losses) == {torch.device("cuda", 0)}, losses
     assert len(list((tmp_path / "out").glob("*/adapter/adapter_model.safetensors"))) == 1
+    assert len(list((tmp_path / "out").glob("*/eval.json"))) == 1  # the held-out scores, computed on the GPU
 
 
 @standin_only

@@ -34,8 +34,8 @@ def answer_scores(model, tokenizer, texts: list[tuple[str, str]], methods: dict[
     hits: dict[str, list[bool]] = {name: [] for name in methods}
     full_hits = []
     for prompt, answer in texts:
-        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        ans = tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
+        ans = tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
         full = model(input_ids=torch.cat([ids, ans], 1)).logits[0, ids.shape[1] - 1 : -1].float()
         full_hits.append(bool((full.argmax(-1) == ans[0]).all()))
         record = record_prefill(model, ids)
@@ -43,7 +43,7 @@ def answer_scores(model, tokenizer, texts: list[tuple[str, str]], methods: dict[
             cache = cache_from_record(model, record, method, budget)
             logits = [record.last_logits[0]]
             for i in range(ans.shape[1] - 1):
-                pos = torch.tensor([[ids.shape[1] + i]])
+                pos = torch.tensor([[ids.shape[1] + i]], device=model.device)
                 out = model(input_ids=ans[:, i : i + 1], position_ids=pos, use_cache=True,
                             **compat.generate_cache_kwargs(cache))
                 logits.append(out.logits[0, -1].float())
