@@ -50,8 +50,11 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def record_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillRecord:
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    """One full-attention prefill of ``input_ids`` (moved to the model's device, as a tokenizer's ids are made on
+    the host), every layer's queries, keys and values recorded for the methods that replay it."""
+    device = getattr(model, "device", input_ids.device)
+    input_ids = input_ids.to(device)
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     cache = ZoomCache(model, "full")
     cache.recorder = {}
     captured: dict[str, torch.Tensor] = {}

@@ -54,7 +54,7 @@ def encode(tokenizer, text: str) -> torch.Tensor:
 
 @torch.inference_mode()
 def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recent: int) -> dict[str, torch.Tensor]:
-    record = record_prefill(model, ids.to(model.device))
+    record = record_prefill(model, ids)
     surprisal = record_surprisal(model, record)[0].float()
     t = ids.shape[1]
     layers = sorted(record.contexts)
