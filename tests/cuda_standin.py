@@ -513,7 +513,7 @@ def off() -> Iterator[None]:
 
 def as_gpu(monkeypatch, total_memory: int = 80 << 30) -> None:
     """Inside ``active``: the runtime questions a command asks torch before it runs on a GPU answered as one GPU
-    would answer them (available, one device, its name and size), and the host tier's pinned memory torch's own (no
+    would answer them (available, one device, its name and size, the current accelerator), and the host tier's pinned memory torch's own (no
     ``cudaHostRegister`` here). ``torch.cuda.is_available()`` stays False otherwise: the tests of placement rely on
     it."""
     from types import SimpleNamespace
@@ -525,6 +525,9 @@ def as_gpu(monkeypatch, total_memory: int = 80 << 30) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "CUDA stand-in")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _=None: device)
+    # accelerate's question (which accelerator, then that device made current)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: CUDA)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(pinned, "EXACT_BYTES", 1 << 62)
 
 

@@ -211,8 +211,6 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     from zoomkv.models import load_model
 
     cuda_standin.as_gpu(monkeypatch)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     losses: list[torch.device] = []
     monkeypatch.setattr(accelerate.Accelerator, "backward", lambda self, loss, **kwargs: losses.append(loss.device))
     monkeypatch.setattr(accelerate.optimizer.AcceleratedOptimizer, "step", lambda self, closure=None: None)

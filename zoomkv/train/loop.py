@@ -282,9 +282,9 @@ def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int, paths: list
     (2 processes x 1 sample = 1 process x 2 samples). The sample's tensors on ``device``, the adapter's."""
     rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
     torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
-    sample = load_sample(paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)])
-    every = sample["layers"].tolist()  # (read on the host, before the sample moves)
-    sample = {name: tensor.to(device) for name, tensor in sample.items()}
+    sample = load_sample(paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)],
+                         device)
+    every = sample["layers"].tolist()
     layers = sorted(rng.sample(every, min(cfg.layers_per_step or len(every), len(every))))
     return sample, layers, rng
 

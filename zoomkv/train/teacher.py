@@ -134,9 +134,10 @@ def _readable(path: Path) -> bool:
     return True
 
 
-def load_sample(path: Path) -> dict[str, torch.Tensor]:
+def load_sample(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A cached teacher sample, its tensors on ``device`` (the adapter's)."""
     try:
-        return load_file(str(path))
+        return {name: tensor.to(device) for name, tensor in load_file(str(path)).items()}
     except (OSError, SafetensorError) as err:
         raise ZoomKVError(f"teacher sample {path} cannot be read (corrupt or truncated: "
                           f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
@@ -157,4 +158,4 @@ class CachedSamples(Sequence):
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
             return CachedSamples(self.paths[index], self.device)
-        return {name: tensor.to(self.device) for name, tensor in load_sample(self.paths[index]).items()}
+        return load_sample(self.paths[index], self.device)
