@@ -15,6 +15,7 @@ from zoomkv import ZoomCache
 from zoomkv.adapters.errors import AdapterNotFoundError
 from zoomkv.adapters.model import ZoomAdapter, build_adapter_modules
 from zoomkv.errors import ConfigError
+from zoomkv.memory import replay
 from zoomkv.memory.attention import attend
 from zoomkv.methods import get_method
 from zoomkv.methods.sekv.codes import BITS, code_bytes, decode, encode, levels, rotation, score_codes
@@ -422,6 +423,41 @@ def test_teacher_samples_carry_the_rotary_table_the_objective_unrotates_with():
     assert torch.allclose(before.norm(dim=-1), keys.norm(dim=-1), atol=1e-3)
     assert torch.allclose(before[:, 0], keys[:, 0])
     assert sample_rope(sample, layer, 48, SeKVConfig()) is None  # post_rope: the objective never unrotates
+
+
+def test_teacher_signals_never_hold_a_layers_attention_over_every_candidate(monkeypatch):
+    """The teacher picks the queries whose attention reaches furthest back (summed over layers) and keeps their
+    attention rows: computed in blocks of candidates, it gives what one pass over all of them gives, and no
+    softmax it takes is larger than its block (at the 8B recipe's 16K tokens one layer's would be 17 GB)."""
+    from zoomkv.train import teacher
+
+    model = load_model("tiny-gemma3")[0]  # GQA (2 query heads a KV head), every layer compressed
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    n_queries, min_pos, recent = 5, 64, 16
+    record = replay.record_prefill(model, ids)
+    t, layers = ids.shape[1], sorted(record.contexts)
+    cands = torch.arange(t // 2, t)
+    far, probs_by_layer = torch.zeros(len(cands)), {}
+    for layer in layers:  # the definition: every candidate's attention at once
+        ctx = record.contexts[layer]
+        k = ctx.keys[0].float().repeat_interleave(ctx.num_kv_groups, dim=0)
+        logits = (ctx.queries[0][:, cands].float() @ k.transpose(-1, -2)) * ctx.scaling
+        probs = torch.softmax(logits.masked_fill(torch.arange(t)[None] > cands[:, None], float("-inf")), -1)
+        probs_by_layer[layer] = probs
+        far += (probs * (torch.arange(t)[None] < cands[:, None] - recent - 32)).sum(-1).mean(0)
+    chosen = torch.cat([far[:-1].topk(n_queries - 1).indices, torch.tensor([len(cands) - 1])]).sort().values
+    assert chosen.tolist() != list(range(len(cands) - n_queries, len(cands)))  # not merely the last ones
+
+    sizes = []
+    softmax = torch.softmax
+    monkeypatch.setattr(teacher.torch, "softmax", lambda x, dim: sizes.append(x.numel()) or softmax(x, dim))
+    block = probs_by_layer[layers[0]].shape[0] * t * 20  # 20 candidates a block: 8 blocks a layer
+    monkeypatch.setattr(teacher, "SCORES_AT_ONCE", block)
+    sample = teacher.extract_sample(model, ids, n_queries, min_pos, recent)
+    assert max(sizes) <= block < probs_by_layer[layers[0]].numel()
+    assert torch.equal(sample["positions"], cands[chosen])
+    for layer in layers:
+        assert torch.equal(sample[f"attn.{layer}"], probs_by_layer[layer][:, chosen].half())
 
 
 def test_rank_gates_keep_the_anchors_exact_on_the_host_tier(config):

@@ -24,6 +24,7 @@ from zoomkv.atomic import read_json_object
 from zoomkv.data.training import Sample
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.memory.replay import record_prefill, record_surprisal
+from zoomkv.protocol.method import SCORES_AT_ONCE
 
 CACHE_VERSION = 2  # 2: each layer's rotary table
 # Written first into a folder the cache claims: a teacher cache writes (and rewrites) only inside a folder that
@@ -61,35 +62,55 @@ def extract_sample(model, ids: torch.Tensor, n_queries: int, min_pos: int, recen
     # the signals are computed where the model ran (a GPU's), then saved from the host
     device = record.contexts[layers[0]].keys.device
     cands = torch.arange(min(max(min_pos, t // 2), t - 1), t, device=device)
+    # Two passes, so that no layer's attention over every candidate is ever held: the far mass of each candidate
+    # (summed over layers) picks the queries, then only the picked queries' attention is computed again.
     far = torch.zeros(len(cands), device=device)
-    probs_by_layer = {}
     for layer in layers:
         ctx = record.contexts[layer]
-        q = ctx.queries[0][:, cands].float()  # [hq, C, d]
-        k = ctx.keys[0].float().repeat_interleave(ctx.num_kv_groups, dim=0)  # [hq, T, d]
-        logits = torch.matmul(q, k.transpose(-1, -2)) * ctx.scaling
-        causal = torch.arange(t, device=device)[None, :] > cands[:, None]
-        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), -1)  # [hq, C, T]
-        probs_by_layer[layer] = probs
-        old = torch.arange(t, device=device)[None, :] < (cands[:, None] - recent - 32)
-        far += (probs * old).sum(-1).mean(0)
+        keys = _query_heads(ctx)
+        for block in _candidate_blocks(len(cands), ctx.queries.shape[1], t):
+            at = cands[block]
+            probs = _attention_rows(ctx, keys, at, t)
+            old = torch.arange(t, device=device)[None, :] < (at[:, None] - recent - 32)
+            far[block] += (probs * old).sum(-1).mean(0)
     pick = far[:-1].topk(min(n_queries - 1, len(cands) - 1)).indices if len(cands) > 1 else \
         torch.zeros(0, dtype=torch.long, device=device)
     chosen = torch.cat([pick, torch.tensor([len(cands) - 1], device=device)]).sort().values
-    out: dict[str, torch.Tensor] = {"ids": ids[0].clone(), "surprisal": surprisal, "positions": cands[chosen].clone(),
+    positions = cands[chosen]
+    out: dict[str, torch.Tensor] = {"ids": ids[0].clone(), "surprisal": surprisal, "positions": positions.clone(),
                                     "layers": torch.tensor(layers)}
     for layer in layers:
         ctx = record.contexts[layer]
         out[f"k.{layer}"] = ctx.keys[0].half().contiguous()
         out[f"v.{layer}"] = ctx.values[0].half().contiguous()
-        out[f"q.{layer}"] = ctx.queries[0][:, cands[chosen]].float().contiguous()
-        out[f"attn.{layer}"] = probs_by_layer[layer][:, chosen].half().contiguous()
+        out[f"q.{layer}"] = ctx.queries[0][:, positions].float().contiguous()
+        out[f"attn.{layer}"] = _attention_rows(ctx, _query_heads(ctx), positions, t).half().contiguous()
         table = compat.rotary_frequencies(model.config, layer)
         if table is not None:  # the keys' RoPE, for objectives that work on keys before it
             out[f"rotary_inv_freq.{layer}"] = table[0].contiguous()
             out[f"rotary_scaling.{layer}"] = torch.tensor(table[1])
     out["scaling"] = torch.tensor(record.contexts[layers[0]].scaling)
     return {name: tensor.cpu() for name, tensor in out.items()}
+
+
+def _query_heads(ctx) -> torch.Tensor:
+    """A layer's keys in float, one copy per query head: ``[hq, T, d]``."""
+    return ctx.keys[0].float().repeat_interleave(ctx.num_kv_groups, dim=0)
+
+
+def _candidate_blocks(n: int, heads: int, t: int) -> list[slice]:
+    """Slices of the candidates whose scores (``[heads, block, T]``) stay near ``SCORES_AT_ONCE`` elements: at the 8B
+    recipe's 16K tokens one layer's scores for every candidate would be 17 GB."""
+    step = max(1, SCORES_AT_ONCE // max(1, heads * t))
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def _attention_rows(ctx, keys: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
+    """The teacher's causal attention of the queries at ``positions`` over the whole sample: ``[hq, n, T]``."""
+    q = ctx.queries[0][:, positions].float()  # [hq, n, d]
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * ctx.scaling
+    causal = torch.arange(t, device=keys.device)[None, :] > positions[:, None]
+    return torch.softmax(logits.masked_fill(causal, float("-inf")), -1)
 
 
 def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_queries: int, min_pos: int, recent: int,
