@@ -301,6 +301,36 @@ def test_checkpoints_that_would_not_fit_are_refused_before_the_first_step(tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_teacher_cache_that_would_not_fit_is_refused_before_it_is_written(tmp_path, capsys, monkeypatch):
+    """The teacher signals of 64 samples of 2K tokens (every layer's keys and values) do not fit in 5 MB: refused
+    before the extraction, naming the size, and nothing of the cache written. With room, the estimate is what the
+    samples take (within 10%)."""
+    from zoomkv.models import load_model
+    from zoomkv.protocol.shape import ModelShape
+    from zoomkv.train import teacher
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(teacher.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
+    cache = tmp_path / "cache"
+    run_case(_train_args(tmp_path / "runs", "num_samples=64", "min_length=2048", "max_length=2048",
+                         f"teacher_cache={cache}"), "the teacher signals of 64 samples take", capsys, monkeypatch)
+    assert not cache.exists()
+    monkeypatch.setattr(teacher.shutil, "disk_usage", real)
+
+    model, tokenizer = load_model("tiny-llama")[:2]
+    shape = ModelShape.from_config(model.config)
+    samples = [teacher.Sample(text, "", "plain", 0) for text in ("a b c " * 200, "x y " * 150)]
+    paths = teacher.build_cache(model, tokenizer, samples, cache, n_queries=3, min_pos=64, recent=16,
+                                fingerprint={}, show_progress=False)
+    for sample, path in zip(samples, paths, strict=True):
+        expected = teacher.sample_bytes(shape, teacher.encode(tokenizer, sample.text).shape[1], 3, 64)
+        assert 0.9 * expected <= path.stat().st_size <= expected
+    # --dry-run says it before anything runs: the 8B recipe's 256 samples of 2K to 16K tokens take ~325 GB
+    assert main(["train", "--recipe", str(ROOT / "recipes/llama-3-8b/sekv.yaml"), "--dry-run"]) == 0
+    assert "teacher cache: about 325.0 GB on disk for 256 samples" in capsys.readouterr().out
+
+
 # -- 4. one huge record -------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from zoomkv.cli import run_command
-from zoomkv.errors import ConfigError
+from zoomkv.data.training import Sample
+from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.models import load_model
 from zoomkv.train.config import load_recipe
 from zoomkv.train.sizing import dry_run
 
@@ -135,6 +137,32 @@ def _loss_decreases(cache: Path) -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] and losses[-1] < losses[1], losses
+
+
+def test_a_step_reads_only_its_layers_of_a_sample(tmp_path):
+    """A micro-batch reads the sample's own tensors and its picked layers' (the rest stay on disk), the same
+    tensors a whole read gives; a sample file cut short is one line naming it."""
+    from zoomkv.train.loop import micro_batch
+    from zoomkv.train.teacher import build_cache, extract_sample, load_sample
+
+    model, tokenizer = load_model("tiny-llama")[:2]
+    cache = tmp_path / "teacher"
+    samples = [Sample("a b c " * 60, "", "plain", 0)]
+    path = build_cache(model, tokenizer, samples, cache, n_queries=3, min_pos=16, recent=4, fingerprint={},
+                       show_progress=False)[0]
+    whole = load_sample(path)
+    cfg = load_recipe(TINY, ["layers_per_step=2", "steps=3"])
+    sample, layers, _ = micro_batch(cfg, 1, 0, 1, [path])
+    assert len(layers) == 2 and set(layers) < set(whole["layers"].tolist())
+    per_layer = {f"{kind}.{layer}" for kind in ("k", "v", "q", "attn", "rotary_inv_freq", "rotary_scaling")
+                 for layer in layers}
+    assert set(sample) == per_layer | {"ids", "surprisal", "positions", "layers", "scaling"}
+    assert all(torch.equal(sample[name], whole[name]) for name in sample)
+    assert set(whole) == set(extract_sample(model, tokenizer("a b c " * 60, return_tensors="pt")["input_ids"], 3,
+                                            16, 4))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ZoomKVError, match="teacher sample .* cannot be read"):
+        micro_batch(cfg, 1, 0, 1, [path])
 
 
 def _run(tmp_path: Path, out: str, *extra: str) -> subprocess.CompletedProcess:

@@ -56,3 +56,12 @@ def show_on_console(level: int = 0) -> logging.Logger:
 def progress_shown() -> bool:
     """Progress bars are INFO: hidden under ``--quiet``."""
     return logging.getLogger(LOGGER_NAME).isEnabledFor(logging.INFO)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a log line says them: ``512 bytes``, ``3.2 GB`` (powers of 1024)."""
+    units = ("bytes", "KB", "MB", "GB", "TB", "PB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} bytes" if i == 0 else f"{n:.1f} {units[i]}"

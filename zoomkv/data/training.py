@@ -155,11 +155,13 @@ def make_samples(tokenizer, tasks: list[str] | dict[str, float], n: int, min_len
     ``tasks``: a list taken in turn, or a weight per task (mixed in proportion)."""
     order = (task_sequence(tasks, n, seed) if isinstance(tasks, dict)
              else [tasks[i % len(tasks)] for i in range(n)])
-    out = []
-    for i in range(n):
-        length = min_length + round((max_length - min_length) * i / max(1, n - 1))
-        out.append(make_sample(tokenizer, order[i], length, seed * 100_003 + i, corpus))
-    return out
+    return [make_sample(tokenizer, order[i], length, seed * 100_003 + i, corpus)
+            for i, length in enumerate(sample_lengths(n, min_length, max_length))]
+
+
+def sample_lengths(n: int, min_length: int, max_length: int) -> list[int]:
+    """The token lengths of ``make_samples``' ``n`` samples: from ``min_length`` to ``max_length`` in equal steps."""
+    return [min_length + round((max_length - min_length) * i / max(1, n - 1)) for i in range(n)]
 
 
 def curriculum_index(step: int, total_steps: int, n: int, seed: int) -> int:

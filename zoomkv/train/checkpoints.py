@@ -26,6 +26,7 @@ from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
 from zoomkv.errors import ConfigError
 from zoomkv.locks import LOCK_NAME
+from zoomkv.logs import human_bytes
 from zoomkv.protocol.shape import ModelShape
 from zoomkv.train.config import TrainConfig
 from zoomkv.train.teacher import check_cache_folder, is_cache_folder
@@ -149,17 +150,9 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: torch.nn.Module, start_ste
         where = where.parent
     free = shutil.disk_usage(where).free
     if need > free:
-        raise ConfigError(f"recipe keys 'steps'/'save_every': {count:,} checkpoints of {_size(per)} each "
-                          f"({_size(need)} with the adapter) would not fit in the {_size(free)} free in {where}; "
+        raise ConfigError(f"recipe keys 'steps'/'save_every': {count:,} checkpoints of {human_bytes(per)} each "
+                          f"({human_bytes(need)} with the adapter) would not fit in the {human_bytes(free)} free in {where}; "
                           "raise save_every, lower steps, or free some space")
-
-
-def _size(n: float) -> str:
-    units = ("bytes", "KB", "MB", "GB", "TB", "PB")
-    i = 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} bytes" if i == 0 else f"{n:.1f} {units[i]}"
 
 
 def resume_step(folder: Path | None) -> int:

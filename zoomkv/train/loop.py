@@ -62,7 +62,7 @@ from zoomkv.train.guards import (
 )
 from zoomkv.train.heldout import evaluate, write_eval
 from zoomkv.train.sizing import KNOWN_CONFIGS, build_adapter, check_fraction, freeze_parameters
-from zoomkv.train.teacher import CachedSamples, build_cache, load_sample
+from zoomkv.train.teacher import CachedSamples, build_cache, load_sample, sample_layers
 
 log = logging.getLogger(__name__)
 
@@ -282,10 +282,10 @@ def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int, paths: list
     (2 processes x 1 sample = 1 process x 2 samples). The sample's tensors on ``device``, the adapter's."""
     rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
     torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
-    sample = load_sample(paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)],
-                         device)
-    every = sample["layers"].tolist()
+    path = paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)]
+    every = sample_layers(path)
     layers = sorted(rng.sample(every, min(cfg.layers_per_step or len(every), len(every))))
+    sample = load_sample(path, device, layers)  # the other layers' tensors stay on disk
     return sample, layers, rng
 
 

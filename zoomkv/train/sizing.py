@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 from zoomkv.adapters.model import ZoomAdapter
+from zoomkv.data.training import sample_lengths
 from zoomkv.errors import BaseModelMismatchError, ConfigError, ZoomKVError
+from zoomkv.logs import human_bytes
 from zoomkv.models.registry import same_base_name
 from zoomkv.protocol.shape import FINGERPRINT_KEYS, ModelShape, fingerprint_diff
 from zoomkv.train.config import TrainConfig
+from zoomkv.train.teacher import sample_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -129,5 +132,10 @@ def dry_run(cfg: TrainConfig) -> float:
     print("trainable tensors: " + ", ".join(f"{n} {list(p.shape)}" for n, p in adapter.named_parameters()))
     freeze_parameters(adapter, cfg.freeze)
     fraction = check_fraction(adapter, shape, cfg, log=print)
+    cache = sum(sample_bytes(shape, t, cfg.queries_per_sample, cfg.budget)
+                for t in sample_lengths(cfg.num_samples, cfg.min_length, cfg.max_length))
+    print(f"teacher cache: about {human_bytes(cache)} on disk for {cfg.num_samples} samples of {cfg.min_length} to "
+          f"{cfg.max_length} tokens (each compressed layer's keys and values in fp16; checked against the free "
+          "space before the signals are extracted)")
     print(f"trainable_fraction={fraction:.6g}")
     return fraction

@@ -9,27 +9,32 @@ back (mass on tokens older than the recent window, averaged over layers and head
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import shutil
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from zoomkv import compat
 from zoomkv.atomic import read_json_object
 from zoomkv.data.training import Sample
 from zoomkv.errors import ConfigError, ZoomKVError
+from zoomkv.logs import human_bytes
 from zoomkv.memory.replay import record_prefill, record_surprisal
 from zoomkv.protocol.method import SCORES_AT_ONCE
+from zoomkv.protocol.shape import ModelShape
 
 CACHE_VERSION = 2  # 2: each layer's rotary table
 # Written first into a folder the cache claims: a teacher cache writes (and rewrites) only inside a folder that
 # was new or empty, or holds this mark (or, from before it, a meta.json of ours), never among a user's files.
 CACHE_MARK = ".zoomkv-teacher-cache"
+SAFETENSORS_ENTRY = 96  # header bytes a tensor takes in a sample file, about (name, dtype, shape, offsets)
 
 
 def is_cache_folder(folder: Path) -> bool:
@@ -118,22 +123,50 @@ def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_quer
     """Extract every sample once (skipped when the cache already matches ``fingerprint``), in a folder that is
     new, empty or a teacher cache (``check_cache_folder``)."""
     check_cache_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / CACHE_MARK).is_file():
-        (folder / CACHE_MARK).write_text("zoomkv teacher cache\n", encoding="utf-8")
     meta_path = folder / "meta.json"
     fingerprint = {**fingerprint, "version": CACHE_VERSION, "n": len(samples)}
     paths = [folder / f"sample_{i:05d}.safetensors" for i in range(len(samples))]
     if _recorded(meta_path) == fingerprint and all(_readable(p) for p in paths):
         return paths
+    ids = [encode(tokenizer, sample.text) for sample in samples]
+    check_cache_space(folder, [sample_bytes(ModelShape.from_config(model.config), x.shape[1], n_queries, min_pos)
+                               for x in ids])
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / CACHE_MARK).is_file():
+        (folder / CACHE_MARK).write_text("zoomkv teacher cache\n", encoding="utf-8")
     meta_path.unlink(missing_ok=True)
-    for sample, path in tqdm(list(zip(samples, paths, strict=True)), desc="teacher signals", disable=not show_progress):
-        tensors = extract_sample(model, encode(tokenizer, sample.text), n_queries, min_pos, recent)
+    for sample_ids, path in tqdm(list(zip(ids, paths, strict=True)), desc="teacher signals", disable=not show_progress):
+        tensors = extract_sample(model, sample_ids, n_queries, min_pos, recent)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp))
         tmp.replace(path)
     meta_path.write_text(json.dumps(fingerprint, sort_keys=True))
     return paths
+
+
+def sample_bytes(shape: ModelShape, t: int, n_queries: int, min_pos: int) -> int:
+    """What ``extract_sample`` writes for a ``t``-token sample of a model of ``shape``: the ids and surprisal, and
+    per compressed layer its keys and values (fp16), the chosen queries (fp32) and their attention rows (fp16)."""
+    n = min(n_queries, t - min(max(min_pos, t // 2), t - 1))  # the candidates run from there to the last token
+    hq, kv, d = shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
+    per_layer = 2 * kv * t * d * 2 + hq * n * d * 4 + hq * n * t * 2 + d // 2 * 4 + 8 + 6 * SAFETENSORS_ENTRY
+    return t * (8 + 4) + n * 8 + len(shape.full_attention_layers) * (per_layer + 8) + 5 * SAFETENSORS_ENTRY
+
+
+def check_cache_space(folder: Path, sizes: list[int]) -> None:
+    """Before the first sample is extracted: every sample fits in the space left where the cache goes (the
+    samples of an older cache there are replaced one by one, so their space counts as free). A cache that would
+    fill the disk is refused now, not after hours of extraction."""
+    where = folder
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    replaced = sum(p.stat().st_size for p in folder.glob("sample_*.safetensors")) if folder.is_dir() else 0
+    free = shutil.disk_usage(where).free + replaced
+    need = sum(sizes) + max(sizes, default=0)  # and one sample's temporary file
+    if need > free:
+        raise ConfigError(f"recipe keys 'num_samples'/'max_length': the teacher signals of {len(sizes):,} samples "
+                          f"take {human_bytes(sum(sizes))}, over the {human_bytes(free)} free in {where}; lower "
+                          "num_samples or max_length, point teacher_cache at a larger disk, or free some space")
 
 
 def _recorded(meta_path: Path) -> Any:
@@ -155,14 +188,38 @@ def _readable(path: Path) -> bool:
     return True
 
 
-def load_sample(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A cached teacher sample, its tensors on ``device`` (the adapter's)."""
+def load_sample(path: Path, device: torch.device | str = "cpu", layers: Collection[int] | None = None
+                ) -> dict[str, torch.Tensor]:
+    """A cached teacher sample, its tensors on ``device`` (the adapter's). With ``layers``, only those layers'
+    tensors are read (the rest stay on disk: a step of the 8B recipe trains 8 of 32) beside the sample's own
+    (ids, surprisal, positions, the layer list)."""
+    wanted = None if layers is None else {str(layer) for layer in layers}
+    with _reading(path) as f:
+        return {name: f.get_tensor(name).to(device) for name in f.keys()
+                if wanted is None or not _per_layer(name) or name.rsplit(".", 1)[1] in wanted}
+
+
+def sample_layers(path: Path) -> list[int]:
+    """The layers a cached teacher sample holds, read without the rest of it."""
+    with _reading(path) as f:
+        return f.get_tensor("layers").tolist()
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[Any]:
+    """A sample file open for reading its tensors one by one; one line for a file that cannot be read."""
     try:
-        return {name: tensor.to(device) for name, tensor in load_file(str(path)).items()}
+        with safe_open(str(path), framework="pt") as f:
+            yield f
     except (OSError, SafetensorError) as err:
         raise ZoomKVError(f"teacher sample {path} cannot be read (corrupt or truncated: "
                           f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
                           f"delete {path.parent} to extract the teacher signals again") from None
+
+
+def _per_layer(name: str) -> bool:
+    """A tensor of one layer's (``k.12``, ``attn.12``, ``rotary_inv_freq.12``), not of the whole sample."""
+    return "." in name and name.rsplit(".", 1)[1].isdigit()
 
 
 class CachedSamples(Sequence):
