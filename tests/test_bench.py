@@ -206,3 +206,38 @@ def test_cpu_info_reads_one_field_and_nothing_for_a_missing_one():
         flags = ""
     assert cpu_info("flags") == flags  # the build's name hashes it: one line, no key
     assert cpu_info("no such field") == ""
+
+
+def test_cuda_check_runs_the_parts_named_in_their_order_with_arguments_the_commands_take(tmp_path):
+    """scripts/cuda_check.sh on a CPU with a python that only notes what it is asked to run: the parts come in
+    the order PARTS names them (the GPU's time is short: the most wanted first), an unknown part is said, and every
+    command it would run parses as zoomkv's own (a flag renamed since would waste a GPU run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zoomkv.cli import _parse, build_parser
+    from zoomkv.train.config import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    calls, python = tmp_path / "calls.jsonl", tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; open(sys.argv[1], \"a\")"
+                      f".write(json.dumps(sys.argv[2:]) + \"\\n\")' {calls} \"$@\"\n", encoding="utf-8")
+    python.chmod(0o755)
+    parts = "profile,tests,bogus,long,every,chunked,fit,graphs,train,small"
+    env = {**os.environ, "PYTHON": str(python), "TMPDIR": str(tmp_path), "SMOLLM2_DIR": str(tmp_path / "none")}
+    done = subprocess.run(["bash", "scripts/cuda_check.sh", str(tmp_path / "out"), parts], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "cuda_check: no part 'bogus'" in done.stdout, done.stdout + done.stderr
+    ran = [json.loads(line) for line in calls.read_text(encoding="utf-8").splitlines()]
+    benches = [call[3:] for call in ran if call[:3] == ["-m", "zoomkv", "bench"]]
+    kinds = [f"bench {call[call.index('--length') + 1]}" if call[:3] == ["-m", "zoomkv", "bench"]
+             else call[1] if call[0] == "-m" else call[0] for call in ran[1:]]  # ran[0]: the versions printed
+    assert kinds == ["bench 16384", "pytest", "bench 32768", "bench 32768", "bench 32768", "bench 32768",
+                     "bench 16384", "zoomkv.train", "bench 8000", "scripts/gpu_targets.py"]
+    for argv in benches:
+        args = _parse(build_parser(), ["bench", *argv])
+        assert runs_from_args(args, default_budgets=bench_command.DEFAULT_BUDGETS), argv
+    train = next(call for call in ran if call[:2] == ["-m", "zoomkv.train"])
+    assert load_recipe(root / train[3], train[4:]).steps == 40
