@@ -208,7 +208,7 @@ def test_cpu_info_reads_one_field_and_nothing_for_a_missing_one():
     assert cpu_info("no such field") == ""
 
 
-def test_cuda_check_runs_the_parts_named_in_their_order_with_arguments_the_commands_take(tmp_path):
+def test_cuda_check_runs_the_parts_named_in_their_order_with_arguments_the_commands_take(tmp_path, monkeypatch):
     """scripts/cuda_check.sh on a CPU with a python that only notes what it is asked to run: the parts come in
     the order PARTS names them (the GPU's time is short: the most wanted first), an unknown part is said, and every
     command it would run parses as zoomkv's own (a flag renamed since would waste a GPU run)."""
@@ -240,4 +240,14 @@ def test_cuda_check_runs_the_parts_named_in_their_order_with_arguments_the_comma
         args = _parse(build_parser(), ["bench", *argv])
         assert runs_from_args(args, default_budgets=bench_command.DEFAULT_BUDGETS), argv
     train = next(call for call in ran if call[:2] == ["-m", "zoomkv.train"])
-    assert load_recipe(root / train[3], train[4:]).steps == 40
+    recipe = load_recipe(root / train[3], train[4:])
+    assert recipe.steps == 40 and recipe.random_weights
+    # the GPU machine's image has no `datasets`: the training part's samples must not need it
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    from zoomkv.data.training import make_samples
+    from zoomkv.models import load_model
+    from zoomkv.train.config import load_corpus
+
+    assert load_corpus(recipe) is None
+    tokenizer = load_model("tiny-llama")[1]
+    assert len(make_samples(tokenizer, recipe.task_mix, 2, 200, 300, recipe.seed, None)) == 2
