@@ -151,8 +151,8 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: torch.nn.Module, start_ste
     free = shutil.disk_usage(where).free
     if need > free:
         raise ConfigError(f"recipe keys 'steps'/'save_every': {count:,} checkpoints of {human_bytes(per)} each "
-                          f"({human_bytes(need)} with the adapter) would not fit in the {human_bytes(free)} free in {where}; "
-                          "raise save_every, lower steps, or free some space")
+                          f"({human_bytes(need)} with the adapter) would not fit in the {human_bytes(free)} free "
+                          f"in {where}; raise save_every, lower steps, or free some space")
 
 
 def resume_step(folder: Path | None) -> int:

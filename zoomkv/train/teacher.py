@@ -129,8 +129,8 @@ def build_cache(model, tokenizer, samples: list[Sample], folder: Path, *, n_quer
     if _recorded(meta_path) == fingerprint and all(_readable(p) for p in paths):
         return paths
     ids = [encode(tokenizer, sample.text) for sample in samples]
-    check_cache_space(folder, [sample_bytes(ModelShape.from_config(model.config), x.shape[1], n_queries, min_pos)
-                               for x in ids])
+    shape = ModelShape.from_config(model.config)
+    check_cache_space(folder, paths, [sample_bytes(shape, x.shape[1], n_queries, min_pos) for x in ids])
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / CACHE_MARK).is_file():
         (folder / CACHE_MARK).write_text("zoomkv teacher cache\n", encoding="utf-8")
@@ -153,15 +153,14 @@ def sample_bytes(shape: ModelShape, t: int, n_queries: int, min_pos: int) -> int
     return t * (8 + 4) + n * 8 + len(shape.full_attention_layers) * (per_layer + 8) + 5 * SAFETENSORS_ENTRY
 
 
-def check_cache_space(folder: Path, sizes: list[int]) -> None:
-    """Before the first sample is extracted: every sample fits in the space left where the cache goes (the
-    samples of an older cache there are replaced one by one, so their space counts as free). A cache that would
-    fill the disk is refused now, not after hours of extraction."""
+def check_cache_space(folder: Path, paths: list[Path], sizes: list[int]) -> None:
+    """Before the first sample is extracted: the samples (``sizes`` bytes, to be written at ``paths``) fit in the
+    space left where the cache goes, the files of an older cache they replace one by one counted as free. A cache
+    that would fill the disk is refused now, not after hours of extraction."""
     where = folder
     while not where.exists() and where.parent != where:
         where = where.parent
-    replaced = sum(p.stat().st_size for p in folder.glob("sample_*.safetensors")) if folder.is_dir() else 0
-    free = shutil.disk_usage(where).free + replaced
+    free = shutil.disk_usage(where).free + sum(p.stat().st_size for p in paths if p.is_file())
     need = sum(sizes) + max(sizes, default=0)  # and one sample's temporary file
     if need > free:
         raise ConfigError(f"recipe keys 'num_samples'/'max_length': the teacher signals of {len(sizes):,} samples "
