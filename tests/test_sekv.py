@@ -431,7 +431,7 @@ def test_teacher_signals_never_hold_a_layers_attention_over_every_candidate(monk
     softmax it takes is larger than its block (at the 8B recipe's 16K tokens one layer's would be 17 GB)."""
     from zoomkv.train import teacher
 
-    model = load_model("tiny-gemma3")[0]  # GQA (2 query heads a KV head), every layer compressed
+    model = load_model("tiny-qwen3")[0]  # 4 layers, GQA (2 query heads a KV head), some queries reaching far back
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
     n_queries, min_pos, recent = 5, 64, 16
     record = replay.record_prefill(model, ids)
