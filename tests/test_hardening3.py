@@ -305,6 +305,7 @@ def test_a_teacher_cache_that_would_not_fit_is_refused_before_it_is_written(tmp_
     """The teacher signals of 64 samples of 2K tokens (every layer's keys and values) do not fit in 5 MB: refused
     before the extraction, naming the size, and nothing of the cache written. With room, the estimate is what the
     samples take (within 10%)."""
+    from zoomkv.data.training import Sample
     from zoomkv.models import load_model
     from zoomkv.protocol.shape import ModelShape
     from zoomkv.train import teacher
@@ -320,7 +321,7 @@ def test_a_teacher_cache_that_would_not_fit_is_refused_before_it_is_written(tmp_
 
     model, tokenizer = load_model("tiny-llama")[:2]
     shape = ModelShape.from_config(model.config)
-    samples = [teacher.Sample(text, "", "plain", 0) for text in ("a b c " * 200, "x y " * 150)]
+    samples = [Sample(text, "", "plain", 0) for text in ("a b c " * 200, "x y " * 150)]
     paths = teacher.build_cache(model, tokenizer, samples, cache, n_queries=3, min_pos=64, recent=16,
                                 fingerprint={}, show_progress=False)
     for sample, path in zip(samples, paths, strict=True):
