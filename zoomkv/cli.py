@@ -77,6 +77,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Packages whose import name is not their distribution's name.
+DISTRIBUTIONS = {"yaml": "pyyaml"}
+
+
+def missing_dependency(err: ModuleNotFoundError) -> str | None:
+    """What to install when ``err`` is a package zoomkv requires that the environment lacks (many are imported only
+    where a command needs them: ``datasets`` for text sources, ``gguf`` for a conversion); None for anything else."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    top = (err.name or "").partition(".")[0]
+    wanted = DISTRIBUTIONS.get(top, top).lower().replace("_", "-")
+    try:
+        declared = metadata.requires("zoomkv") or []
+    except metadata.PackageNotFoundError:  # zoomkv run from a source tree, not installed: nothing to compare with
+        return None
+    for line in declared:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        required = requirement.marker is None or requirement.marker.evaluate({"extra": ""})  # not an extra's
+        if required and requirement.name.lower().replace("_", "-") == wanted:
+            return (f"the package {requirement.name!r}, which zoomkv requires, is not installed: "
+                    f"pip install '{requirement.name}{requirement.specifier}'")
+    return None
+
+
 def _run(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """The one error path: input errors are one line on stderr and exit status 2, never a traceback. The
     command's log goes to stderr at the level ``--quiet`` / ``-v`` ask for (``zoomkv.logs``)."""
@@ -85,6 +114,12 @@ def _run(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Nam
         return run(args)
     except ZoomKVError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        missing = missing_dependency(err)
+        if missing is None:  # not a package zoomkv declares: a bug, shown whole
+            raise
+        print(f"{prog}: error: {missing}", file=sys.stderr)
         return 2
     except OSError as err:
         if err.filename is None:
