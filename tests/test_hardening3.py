@@ -338,8 +338,11 @@ def test_a_missing_dependency_is_one_line_naming_what_to_install(tmp_path, capsy
     module zoomkv does not declare is a bug: it is not dressed up as one line."""
     from zoomkv.cli import missing_dependency
 
+    texts = tmp_path / "texts"  # a folder of the user's text (a shipped corpus, once loaded, stays in memory)
+    texts.mkdir()
+    (texts / "a.txt").write_text("Some prose of the user's. " * 200, encoding="utf-8")
     monkeypatch.setitem(sys.modules, "datasets", None)
-    run_case(_train_args(tmp_path / "runs", "data=python-docs", "tasks=plain:1"), "the package 'datasets', which "
+    run_case(_train_args(tmp_path / "runs", f"data={texts}", "tasks=plain:1"), "the package 'datasets', which "
              "zoomkv requires, is not installed: pip install 'datasets", capsys, monkeypatch)
     assert not (tmp_path / "runs").exists()
     assert missing_dependency(ModuleNotFoundError("no module named x", name="no_such_package")) is None

@@ -160,6 +160,10 @@ def test_a_step_reads_only_its_layers_of_a_sample(tmp_path):
     assert all(torch.equal(sample[name], whole[name]) for name in sample)
     assert set(whole) == set(extract_sample(model, tokenizer("a b c " * 60, return_tensors="pt")["input_ids"], 3,
                                             16, 4))
+    # on another device (here `meta`), what the objectives read as numbers stays on the host: a GPU would wait
+    moved = load_sample(path, "meta", layers)
+    host = {"ids", "positions", "layers", "scaling", *(f"rotary_scaling.{layer}" for layer in layers)}
+    assert {name for name, tensor in moved.items() if tensor.device.type == "cpu"} == host
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ZoomKVError, match="teacher sample .* cannot be read"):
         micro_batch(cfg, 1, 0, 1, [path])
@@ -253,6 +257,40 @@ def test_tensorboard_logs_the_losses(tmp_path):
     acc.Reload()
     assert "train/loss" in acc.Tags()["scalars"]
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_a_position_of_the_objective_reads_three_numbers_from_its_tensors():
+    """A GPU waits at every number read back from a tensor (``aten::_local_scalar_dense``): a step of the 8B
+    recipe computes 64 (layer, position) losses, so what each one reads back is counted here. Three remain: whether
+    any row is above the anchor threshold, how many are, and the layer's integer budget (from its trained share).
+    The rows the router chooses among are counted in Python (eight reads a position before). With the rescoring
+    stage and the candidates' loss on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zoomkv.methods.sekv.method import SeKVConfig
+    from zoomkv.methods.sekv.modules import SeKVAdapter
+    from zoomkv.methods.sekv.objective import position_losses
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                ScalarReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    h, t, d = 2, 300, 16
+    keys, values = torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g)
+    teacher = torch.softmax(torch.randn(2 * h, t, generator=g), -1)
+    adapter = SeKVAdapter(2, h, d)
+    surprisal = torch.rand(t, generator=g)
+    surprisal[[60, 150, 200]] = 12.0  # rows above the anchor threshold
+    cfg = SeKVConfig()  # its rescoring stage on (rescore_bits=4)
+    with ScalarReads():
+        losses = position_losses(adapter, 0, keys, values, torch.randn(2 * h, d, generator=g), teacher, surprisal,
+                                 t - 1, d**-0.5, 40, cfg, with_recall=True)
+    assert losses.recall is not None and ScalarReads.count == 3
 
 
 def test_ranking_loss_prefers_the_ranking_of_the_teacher():

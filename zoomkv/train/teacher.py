@@ -189,12 +189,12 @@ def _readable(path: Path) -> bool:
 
 def load_sample(path: Path, device: torch.device | str = "cpu", layers: Collection[int] | None = None
                 ) -> dict[str, torch.Tensor]:
-    """A cached teacher sample, its tensors on ``device`` (the adapter's). With ``layers``, only those layers'
-    tensors are read (the rest stay on disk: a step of the 8B recipe trains 8 of 32) beside the sample's own
-    (ids, surprisal, positions, the layer list)."""
+    """A cached teacher sample, its tensors on ``device`` (the adapter's) but those read as numbers. With
+    ``layers``, only those layers' tensors are read (the rest stay on disk: a step of the 8B recipe trains 8 of
+    32) beside the sample's own (ids, surprisal, positions, the layer list)."""
     wanted = None if layers is None else {str(layer) for layer in layers}
     with _reading(path) as f:
-        return {name: f.get_tensor(name).to(device) for name in f.keys()
+        return {name: f.get_tensor(name).to("cpu" if _read_as_numbers(name) else device) for name in f.keys()
                 if wanted is None or not _per_layer(name) or name.rsplit(".", 1)[1] in wanted}
 
 
@@ -214,6 +214,12 @@ def _reading(path: Path) -> Iterator[Any]:
         raise ZoomKVError(f"teacher sample {path} cannot be read (corrupt or truncated: "
                           f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
                           f"delete {path.parent} to extract the teacher signals again") from None
+
+
+def _read_as_numbers(name: str) -> bool:
+    """What the objectives read as Python numbers (the token count, the query positions, the layer list, the
+    scales): kept on the host, where a GPU would wait for every read."""
+    return name in ("ids", "positions", "layers", "scaling") or name.startswith("rotary_scaling.")
 
 
 def _per_layer(name: str) -> bool:

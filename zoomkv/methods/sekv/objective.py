@@ -129,15 +129,29 @@ def router_logits(adapter: SeKVAdapter, layer: int, student: Student, query: tor
     return torch.matmul(q, rows.transpose(-1, -2)) * scaling
 
 
+def prefix_region(n: int, cfg: SeKVConfig, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The rows of an ``n``-row prefix the router chooses among (after the sinks, before the recent rows): a mask
+    ``[n]`` on ``device`` and its row count, known here without reading the mask back from a GPU."""
+    region = torch.zeros(n, dtype=torch.bool, device=device)
+    region[cfg.sinks: n - cfg.recent] = True
+    return region, len(range(n)[cfg.sinks: n - cfg.recent])
+
+
+def _count(region: torch.Tensor, inside: int | None) -> int:
+    return int(region.sum()) if inside is None else inside
+
+
 def selection_order(adapter: SeKVAdapter, layer: int, student: Student, query: torch.Tensor, scaling: float,
-                    logits: torch.Tensor, region: torch.Tensor, rows: int, cfg: SeKVConfig) -> torch.Tensor:
+                    logits: torch.Tensor, region: torch.Tensor, rows: int, cfg: SeKVConfig,
+                    inside: int | None = None) -> torch.Tensor:
     """``[h, n]``: an order of the region's rows that puts first what inference recalls for ``rows`` rows:
-    the first stage's vote, and with a second stage its candidates first, in the rescored vote's order."""
+    the first stage's vote, and with a second stage its candidates first, in the rescored vote's order.
+    ``inside``: the region's row count when the caller knows it (read from the device, a GPU would wait)."""
     vote = torch.softmax(logits.detach(), -1).sum(1)
     if student.rescored is None:
         return vote
     always = cfg.sinks + cfg.recent  # inference's candidates include the rows it always attends
-    m = min(int(region.sum()), math.ceil(cfg.candidates * (rows + always)) - always)
+    m = min(_count(region, inside), math.ceil(cfg.candidates * (rows + always)) - always)
     if m <= 0:
         return vote
     cand = vote.masked_fill(~region, float("-inf")).topk(m, -1).indices
@@ -147,14 +161,14 @@ def selection_order(adapter: SeKVAdapter, layer: int, student: Student, query: t
 
 
 def captured_mass(teacher: torch.Tensor, order_scores: torch.Tensor, rows: torch.Tensor,
-                  region: torch.Tensor) -> torch.Tensor:
+                  region: torch.Tensor, inside: int | None = None) -> torch.Tensor:
     """Teacher mass (``[h, g, n]``, mean over a group's heads) on the always-attended rows plus the best
     ``rows`` (a differentiable scalar) of ``region`` by the vote ``order_scores`` ``[h, n]``."""
     a = teacher.mean(1)  # [h, n]
     fixed = (a * ~region).sum(-1)  # sinks and recent rows
     ranked = order_scores.masked_fill(~region, float("-inf")).argsort(-1, descending=True)
     cum = torch.cat([a.new_zeros(a.shape[0], 1), torch.gather(a, -1, ranked).cumsum(-1)], -1)  # [h, n + 1]
-    most = int(region.sum())
+    most = _count(region, inside)
     r = rows.clamp(0, most)
     lo = r.detach().floor().long().clamp(max=most)
     hi = (lo + 1).clamp(max=most)
@@ -218,11 +232,11 @@ class Losses:
 
 
 def candidate_miss(logits: torch.Tensor, teacher: torch.Tensor, region: torch.Tensor, rows: int,
-                   candidates: float) -> torch.Tensor:
+                   candidates: float, inside: int | None = None) -> torch.Tensor:
     """Per query head, the teacher's ``rows`` heaviest rows of ``region``, each weighted by its mass: a softplus of
     how far its estimated logit (``logits`` ``[h, g, n]``) falls below the ``candidates × rows``-th best, the last
     row the exact second stage gets to see. Zero gradient for rows well inside the candidates."""
-    inside = int(region.sum())
+    inside = _count(region, inside)
     k, m = max(1, min(inside, rows)), max(1, min(inside, math.ceil(candidates * rows)))
     est = logits.masked_fill(~region, float("-inf"))
     threshold = est.topk(m, -1).values[..., -1:].detach()
@@ -250,8 +264,7 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     logits = router_logits(adapter, layer, student, query, scaling)  # [h, g, n]
     g = logits.shape[1]
     a = teacher[:, :n].float().view(h, g, n)
-    region = torch.zeros(n, dtype=torch.bool, device=a.device)
-    region[cfg.sinks: n - cfg.recent] = True
+    region, inside = prefix_region(n, cfg, a.device)
     mass = (a * region).sum(-1)  # [h, g]: the teacher's mass where the router chooses
     target = (a * region) / mass[..., None].clamp_min(1e-9)
     def ranking(est: torch.Tensor) -> torch.Tensor:
@@ -262,16 +275,17 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     rank = ranking(logits)
     if student.rescored is not None:  # the gains serve both stages
         rank = (rank + ranking(router_logits(adapter, layer, student, query, scaling, stage=2))) / 2
-    anchor = student.soft_anchor.sum() / max(1, int(region.sum()))
+    anchor = student.soft_anchor.sum() / max(1, inside)
     share = adapter.layer_shares()[layer]
     rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
     whole = round(float(rows.detach()))  # the integer budget inference recalls at
-    vote = selection_order(adapter, layer, student, query, scaling, logits, region, max(1, whole), cfg)  # [h, n]
-    kept = captured_mass(a, vote, rows, region)
+    vote = selection_order(adapter, layer, student, query, scaling, logits, region, max(1, whole), cfg,
+                           inside)  # [h, n]
+    kept = captured_mass(a, vote, rows, region, inside)
     split = -torch.log(kept.clamp_min(1e-6))
-    recall = candidate_miss(logits, a, region, max(1, whole), cfg.candidates) if with_recall else None
+    recall = candidate_miss(logits, a, region, max(1, whole), cfg.candidates, inside) if with_recall else None
     with torch.no_grad():  # inference's selection at the layer's (integer) budget
-        k = max(0, min(int(region.sum()), whole))
+        k = max(0, min(inside, whole))
         chosen = ~region.expand(h, -1).clone()
         if k:
             top = vote.masked_fill(~region, float("-inf")).topk(k, -1).indices
@@ -529,15 +543,14 @@ class SeKVTraining(MethodTraining):
                         logits = router_logits(modules, pos, student, sample[f"q.{layer}"][:, p], scaling)
                         h, g = logits.shape[:2]
                         at = a[:, :n].view(h, g, n)
-                        region = torch.zeros(n, dtype=torch.bool, device=at.device)
-                        region[mcfg.sinks: n - mcfg.recent] = True
+                        region, inside = prefix_region(n, mcfg, at.device)
                         rows = torch.tensor(recipe.budget * float(modules.layer_shares()[pos]) - 1
                                             - mcfg.sinks - mcfg.recent, device=at.device)
                         order = selection_order(modules, pos, student, sample[f"q.{layer}"][:, p], scaling, logits,
-                                                region, max(1, round(float(rows))), mcfg)
-                        kept.setdefault(pos, []).append(float(captured_mass(at, order, rows, region)))
-                        oracle.setdefault(pos, []).append(float(captured_mass(at, at.sum(1), rows, region)))
-                        anchors.append(float(student.anchor.sum()) / max(1, int(region.sum())))
+                                                region, max(1, round(float(rows))), mcfg, inside)
+                        kept.setdefault(pos, []).append(float(captured_mass(at, order, rows, region, inside)))
+                        oracle.setdefault(pos, []).append(float(captured_mass(at, at.sum(1), rows, region, inside)))
+                        anchors.append(float(student.anchor.sum()) / max(1, inside))
         if not kept:
             return None
         per_layer = {str(p): {"kept": round(sum(v) / len(v), 4), "oracle": round(sum(oracle[p]) / len(oracle[p]), 4)}
