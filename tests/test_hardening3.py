@@ -292,10 +292,10 @@ def test_steps_1e30_is_refused_before_anything_is_written(tmp_path, capsys, monk
 
 
 def test_checkpoints_that_would_not_fit_are_refused_before_the_first_step(tmp_path, capsys, monkeypatch):
-    import zoomkv.train.checkpoints as checkpoints
+    import zoomkv.atomic as atomic
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
     run_case(_train_args(tmp_path / "runs", "steps=100000", "save_every=1"), "100,000 checkpoints of", capsys,
              monkeypatch)
     assert not (tmp_path / "runs").exists()
@@ -305,6 +305,7 @@ def test_a_teacher_cache_that_would_not_fit_is_refused_before_it_is_written(tmp_
     """The teacher signals of 64 samples of 2K tokens (every layer's keys and values) do not fit in 5 MB: refused
     before the extraction, naming the size, and nothing of the cache written. With room, the estimate is what the
     samples take (within 10%)."""
+    import zoomkv.atomic as atomic
     from zoomkv.data.training import Sample
     from zoomkv.models import load_model
     from zoomkv.protocol.shape import ModelShape
@@ -312,12 +313,12 @@ def test_a_teacher_cache_that_would_not_fit_is_refused_before_it_is_written(tmp_
 
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    monkeypatch.setattr(teacher.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
     cache = tmp_path / "cache"
     run_case(_train_args(tmp_path / "runs", "num_samples=64", "min_length=2048", "max_length=2048",
                          f"teacher_cache={cache}"), "the teacher signals of 64 samples take", capsys, monkeypatch)
     assert not cache.exists()
-    monkeypatch.setattr(teacher.shutil, "disk_usage", real)
+    monkeypatch.setattr(atomic.shutil, "disk_usage", real)
 
     model, tokenizer = load_model("tiny-llama")[:2]
     shape = ModelShape.from_config(model.config)

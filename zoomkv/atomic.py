@@ -41,6 +41,15 @@ def read_json_object(path: Path, max_bytes: int = 16 << 20) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def free_space(path: Path) -> tuple[Path, int]:
+    """The bytes free where ``path`` goes, and the folder they were read at: the nearest of ``path`` and its
+    parents that exists (a run or cache folder is checked before it is made)."""
+    where = path
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    return where, shutil.disk_usage(where).free
+
+
 def _mark_text(folder: Path) -> str:
     return f"zoomkv working folder {folder.name}\n"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from zoomkv.adapters.config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 from zoomkv.adapters.files import INCOMPLETE_MARKER, is_adapter_folder, is_incomplete, write_folder_atomically
 from zoomkv.adapters.model import fingerprint_diff
 from zoomkv.adapters.weights import load_into, read_weights, sha256, tensors_to_bytes
+from zoomkv.atomic import free_space
 from zoomkv.errors import ConfigError
 from zoomkv.locks import LOCK_NAME
 from zoomkv.logs import human_bytes
@@ -145,10 +145,7 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: torch.nn.Module, start_ste
     per = checkpoint_bytes(adapter)
     count = saves_left(cfg, start_step)
     need = count * per + per  # the adapter folder at the end is about one more
-    where = cfg.run_dir
-    while not where.exists() and where.parent != where:
-        where = where.parent
-    free = shutil.disk_usage(where).free
+    where, free = free_space(cfg.run_dir)
     if need > free:
         raise ConfigError(f"recipe keys 'steps'/'save_every': {count:,} checkpoints of {human_bytes(per)} each "
                           f"({human_bytes(need)} with the adapter) would not fit in the {human_bytes(free)} free "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from zoomkv import compat
-from zoomkv.atomic import read_json_object
+from zoomkv.atomic import free_space, read_json_object
 from zoomkv.data.training import Sample
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.logs import human_bytes
@@ -157,10 +156,8 @@ def check_cache_space(folder: Path, paths: list[Path], sizes: list[int]) -> None
     """Before the first sample is extracted: the samples (``sizes`` bytes, to be written at ``paths``) fit in the
     space left where the cache goes, the files of an older cache they replace one by one counted as free. A cache
     that would fill the disk is refused now, not after hours of extraction."""
-    where = folder
-    while not where.exists() and where.parent != where:
-        where = where.parent
-    free = shutil.disk_usage(where).free + sum(p.stat().st_size for p in paths if p.is_file())
+    where, free = free_space(folder)
+    free += sum(p.stat().st_size for p in paths if p.is_file())
     need = sum(sizes) + max(sizes, default=0)  # and one sample's temporary file
     if need > free:
         raise ConfigError(f"recipe keys 'num_samples'/'max_length': the teacher signals of {len(sizes):,} samples "
