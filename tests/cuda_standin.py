@@ -10,7 +10,8 @@ they give on a GPU and fail where a GPU would fail them:
 - **pinned memory**: ``pin_memory=True`` / ``.pin_memory()`` give host tensors ``is_pinned()`` says are pinned
   (their storage is remembered), and only those take asynchronous copies from the device;
 - **synchronisations**: a scalar read of a CUDA tensor, an op whose shape depends on its values, a blocking
-  copy between the devices, a device-to-host copy into pageable memory, ``torch.cuda.synchronize()``: one event
+  copy between the devices, a device-to-host copy into pageable memory, a host-to-device copy from it (blocking
+  or not: CUDA stages it and may wait for the stream), ``torch.cuda.synchronize()``: one event
   each, and under ``torch.cuda.set_sync_debug_mode("error")`` a ``RuntimeError`` as on CUDA;
 - **asynchronous copies in flight**: pinned host memory written by a non-blocking copy from the device is not
   the host's to read or write until a synchronisation (a GPU would let the host see the bytes before they
@@ -318,6 +319,10 @@ def _copy_syncs(src: torch.Tensor, to: torch.device, non_blocking: bool, dst_pin
     if not non_blocking:
         _sync(f"a blocking copy {frm.type} -> {to.type}")
         return False
+    if frm.type == "cpu" and not _is_pinned(src):
+        # the driver stages pageable memory through its own pinned buffer, and may wait for the stream to do so
+        _sync("a host-to-device copy from pageable memory")
+        return False
     if to.type == "cpu":  # device to host, not blocking: asynchronous into pinned memory only
         if not dst_pinned:
             _sync("a device-to-host copy into pageable memory")
@@ -384,7 +389,7 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
         _copy_syncs(args[0], to, non_blocking, pin)
     elif on_cuda:
         kind = sync_audit.classify(name, args, kwargs)
-        if kind is not None and kind not in ("device-to-host copy", "blocking host-to-device copy"):
+        if kind is not None and kind not in sync_audit.COPY_KINDS:
             _sync(f"{kind}: {name}")
     elif not func.is_view and name not in _NO_READ:
         _host_touch(standins, name)

@@ -146,7 +146,8 @@ def test_raise_on_sync_and_patches_are_undone():
 
 
 def test_copies_between_devices_are_named():
-    """Only CUDA tensors cross devices; classify reads nothing but ``.device``, so stand-ins show the rule."""
+    """Only CUDA tensors cross devices; classify reads nothing but ``.device`` and ``.is_pinned()``, so stand-ins
+    show the rule."""
     from types import SimpleNamespace
 
     cpu, cuda = torch.empty(3), SimpleNamespace(device=torch.device("cuda", 0))
@@ -155,8 +156,13 @@ def test_copies_between_devices_are_named():
     assert classify("aten::_to_copy", (cuda,), {**to_cpu, "non_blocking": True}) == "device-to-host copy"
     assert classify("aten::copy_", (cpu, cuda), {}) == "device-to-host copy"
     assert classify("aten::copy_", (cuda, cpu), {}) == "blocking host-to-device copy"
-    assert classify("aten::copy_", (cuda, cpu, True), {}) is None  # non_blocking: queued, nothing waits
-    assert classify("aten::_to_copy", (cpu,), {"device": torch.device("cuda", 0), "non_blocking": True}) is None
+    # non_blocking from pinned memory: queued, nothing waits; from pageable memory CUDA stages it and may wait
+    pinned = SimpleNamespace(device=torch.device("cpu"), is_pinned=lambda: True)
+    to_cuda = {"device": torch.device("cuda", 0), "non_blocking": True}
+    assert classify("aten::copy_", (cuda, pinned, True), {}) is None
+    assert classify("aten::_to_copy", (pinned,), to_cuda) is None
+    assert classify("aten::copy_", (cuda, cpu, True), {}) == "host-to-device copy from pageable memory"
+    assert classify("aten::_to_copy", (cpu,), to_cuda) == "host-to-device copy from pageable memory"
     assert classify("aten::_to_copy", (cpu,), to_cpu) is None
     assert classify("aten::copy_", (cpu, torch.empty(3, device="meta")), {}) is None
 

@@ -51,6 +51,8 @@ DATA_DEPENDENT = frozenset({
 # Ops that take index tensors: data-dependent when an index is a boolean mask.
 INDEXING = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::to"})
+# what ``classify`` says of a copy between the devices that waits
+COPY_KINDS = frozenset({"device-to-host copy", "blocking host-to-device copy", "host-to-device copy from pageable memory"})
 # Ops that run no kernel: allocations, and a reshape of a fresh result that only relabels its shape.
 NO_KERNEL = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                        "aten::_unsafe_view"})
@@ -118,7 +120,8 @@ def classify(name: str, args: tuple, kwargs: dict) -> str | None:
             to, frm = _device_of(dst), _device_of(src)
             blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         else:
-            frm = _device_of(args[0]) if args else None
+            src = args[0] if args else None
+            frm = _device_of(src)
             to = kwargs.get("device")
             to = torch.device(to) if to is not None else None
             blocking = not kwargs.get("non_blocking", False)
@@ -128,8 +131,11 @@ def classify(name: str, args: tuple, kwargs: dict) -> str | None:
             # into pinned memory without blocking: queued on the stream, nothing waits (the host tier's appends)
             pinned = name == "aten::copy_" and isinstance(dst, torch.Tensor) and dst.is_pinned()
             return None if pinned and not blocking else "device-to-host copy"
-        if blocking and frm.type == "cpu":
+        if frm.type == "cpu" and blocking:
             return "blocking host-to-device copy"
+        if frm.type == "cpu" and not src.is_pinned():
+            # CUDA stages pageable memory through a pinned buffer of its own and may wait for the stream first
+            return "host-to-device copy from pageable memory"
     return None
 
 
