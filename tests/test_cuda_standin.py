@@ -197,16 +197,25 @@ def test_standin_runs_the_gpu_benchmark(standin, monkeypatch, capsys):
 
 
 @standin_only
-@pytest.mark.parametrize("recipe", ["tiny-llama-sekv.yaml", "tiny-llama-semantic-id.yaml"])
-def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
+@pytest.mark.parametrize(("recipe", "options", "waits"), [
+    ("tiny-llama-sekv.yaml", [], 4),
+    ("tiny-llama-semantic-id.yaml", [], 3),
+    ("tiny-llama-semantic-id.yaml", ["loss=neighbours", "design=pca_correction"], 3),
+])
+def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, options, waits):
     """``zoomkv train`` with the accelerator on the GPU (what ``scripts/cuda_check.sh`` times there): the teacher
     signals are extracted on the device and saved from the host, each micro-batch's sample goes to the adapter's
     device, the method's objective's loss is computed there, the report, the held-out scores and the export read the
     trained adapter there.
-    Autograd's engine and the optimiser's step ask torch for a real accelerator, which the stand-in is not: the
-    backward and the update are left out (their gradients are the CPU's, tests/test_train.py)."""
+    A step waits for the GPU only where it needs numbers: the guard before the update and the one after it, the
+    step's logs, sekv's integer layer budgets; the sample's copies are queued from pinned memory (sekv's step waited
+    41 times, semantic_id's 60, and the listwise loss put a CPU mask on the GPU's tensors). The first step also
+    copies sekv's constant tables, once. Autograd's engine and the optimiser's step ask torch for a real
+    accelerator, which the stand-in is not: the backward and the update are left out (their gradients are the
+    CPU's, tests/test_train.py)."""
     import accelerate
 
+    import zoomkv.train.loop as loop
     from zoomkv.cli import run_command
     from zoomkv.models import load_model
 
@@ -214,6 +223,16 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     losses: list[torch.device] = []
     monkeypatch.setattr(accelerate.Accelerator, "backward", lambda self, loss, **kwargs: losses.append(loss.device))
     monkeypatch.setattr(accelerate.optimizer.AcceleratedOptimizer, "step", lambda self, closure=None: None)
+    step_waits: list[list[str]] = []
+
+    def counted(*args, **kwargs):
+        cuda_standin.reset()
+        out = real_step(*args, **kwargs)
+        step_waits.append(cuda_standin.syncs())
+        return out
+
+    real_step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", counted)
     model, tokenizer = load_model("tiny-llama")
     shape = tmp_path / "shape"
     model.config.save_pretrained(shape)
@@ -225,9 +244,10 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe):
     code = run_command("train", ["--recipe", str(ROOT / "recipes" / recipe), f"model={shape}",
                                  "random_weights=true", "dtype=bfloat16", f"output_dir={tmp_path / 'out'}",
                                  "num_samples=2", "queries_per_sample=2", "steps=2", "layers_per_step=2",
-                                 "eval_samples=1", "tensorboard=false"], prog="python -m zoomkv.train")
+                                 "eval_samples=1", "tensorboard=false", *options], prog="python -m zoomkv.train")
     assert code == 0
     assert losses and set(losses) == {torch.device("cuda", 0)}, losses
+    assert len(step_waits) == 2 and len(step_waits[1]) == waits, step_waits
     assert len(list((tmp_path / "out").glob("*/adapter/adapter_model.safetensors"))) == 1
     assert len(list((tmp_path / "out").glob("*/eval.json"))) == 1  # the held-out scores, computed on the GPU
 

@@ -16,7 +16,12 @@ from tests.helpers import greedy, padded_batch
 from zoomkv import ZoomCache
 from zoomkv.adapters.model import ZoomAdapter
 from zoomkv.methods.semantic_id.method import simhash_ids
-from zoomkv.methods.semantic_id.objective import collision_probability, neighbour_loss, pair_targets
+from zoomkv.methods.semantic_id.objective import (
+    collision_probability,
+    neighbour_loss,
+    off_diagonal,
+    pair_targets,
+)
 from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector
 from zoomkv.models import load_model
 
@@ -56,6 +61,14 @@ def test_neighbour_loss_prefers_semantic_neighbours_that_the_teacher_finds_equiv
     assert good < neighbour_loss(crossed, *args)
     good.backward()
     assert paired.grad.abs().sum() > 0
+
+
+def test_the_pairs_are_what_a_mask_off_the_diagonal_picks_in_fixed_shape():
+    """The pairs of a step's sampled rows in the order ``~eye`` picks them, as indices made on the device (a
+    boolean mask's count is a wait on a GPU)."""
+    for n in range(1, 7):
+        m = torch.randn(n, n)
+        assert torch.equal(m.flatten()[off_diagonal(n, m.device)], m[~torch.eye(n, dtype=torch.bool)])
 
 
 def test_collision_probability_is_simhash_collision_rate():

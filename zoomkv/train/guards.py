@@ -23,26 +23,34 @@ class NonFiniteTrainingError(ZoomKVError):
 
 
 def gradient_norm(adapter: torch.nn.Module) -> torch.Tensor:
-    grads = [p.grad.detach().float().norm() for p in adapter.parameters() if p.grad is not None]
-    return torch.stack(grads).norm().cpu() if grads else torch.zeros(())
+    """The norm of the adapter's gradients, where they are (read by the guard with the step's other numbers)."""
+    params = list(adapter.parameters())
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.stack(grads).norm() if grads else torch.zeros((), device=params[0].device if params else None)
 
 
 def stop_unless_finite(accelerator: Any, step: int, run_dir: Path, *, loss: torch.Tensor | None = None,
                        grad_norm: torch.Tensor | None = None, adapter: torch.nn.Module | None = None) -> None:
     """Raise ``NonFiniteTrainingError`` (one line, exit 2) when the step's loss, gradient norm or the updated
-    adapter is not finite, on every process at once (they decide together, so none waits for the others)."""
-    problems = []
+    adapter is not finite, on every process at once (they decide together, so none waits for the others).
+    Every check is one flag on the device, all read back at once: a GPU waits once here, not once a tensor."""
+    checked = [x for x in (loss, grad_norm) if x is not None]
+    checked += list(adapter.parameters()) if adapter is not None else []
+    if not checked:
+        return
+    device = accelerator.device
+    bad = torch.stack([(~torch.isfinite(x.detach())).any().to(device) for x in checked]).any().float().reshape(1)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    if not bad.item():
+        return
+    problems = []  # (a stopped run reads the numbers it names)
     if loss is not None and not torch.isfinite(loss).all():
         problems.append(f"the loss is {float(loss):g}")
     if grad_norm is not None and not torch.isfinite(grad_norm).all():
         problems.append(f"the gradient norm is {float(grad_norm):g}")
     if adapter is not None and not all(bool(torch.isfinite(p).all()) for p in adapter.parameters()):
         problems.append("the update made the adapter's weights non-finite")
-    bad = torch.tensor([float(bool(problems))], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        bad = accelerator.reduce(bad, reduction="sum")
-    if not bad.item():
-        return
     last = latest_checkpoint(run_dir)
     kept = f"the last checkpoint, {last}, is finite" if last else "no checkpoint was written"
     raise NonFiniteTrainingError(

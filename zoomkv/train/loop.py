@@ -297,15 +297,15 @@ def train_step(engine: Engine, cfg: TrainConfig, step: int, paths: list[Path]) -
     accelerator, run_dir = engine.accelerator, cfg.run_dir
     per_proc = cfg.samples_per_step
     losses: dict[str, float] = {}
-    total_loss = torch.zeros(())
+    total_loss = torch.zeros((), device=accelerator.device)  # read by the guard with the gradient's norm
     for j in range(per_proc):
         micro = accelerator.process_index * per_proc + j
         sample, layers, rng = micro_batch(cfg, step, micro, accelerator.num_processes * per_proc, paths,
                                           accelerator.device)
         loss, losses = cfg.training.step_loss(engine.adapter, sample, layers, cfg, step, rng)
-        total_loss = total_loss + loss.detach().float().cpu()
+        total_loss = total_loss + loss.detach().float()
         if engine.deepspeed:  # the engine divides by samples_per_step, reduces, clips and steps after the last one
-            stop_unless_finite(accelerator, step, run_dir, loss=loss.detach().float().cpu())
+            stop_unless_finite(accelerator, step, run_dir, loss=loss.detach().float())
             with accelerator.accumulate(engine.prepared):
                 accelerator.backward(loss)
         else:

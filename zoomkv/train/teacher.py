@@ -25,6 +25,7 @@ from zoomkv.atomic import free_space, read_json_object
 from zoomkv.data.training import Sample
 from zoomkv.errors import ConfigError, ZoomKVError
 from zoomkv.logs import human_bytes
+from zoomkv.memory.pinned import to_device
 from zoomkv.memory.replay import record_prefill, record_surprisal
 from zoomkv.protocol.method import SCORES_AT_ONCE
 from zoomkv.protocol.shape import ModelShape
@@ -186,13 +187,14 @@ def _readable(path: Path) -> bool:
 
 def load_sample(path: Path, device: torch.device | str = "cpu", layers: Collection[int] | None = None
                 ) -> dict[str, torch.Tensor]:
-    """A cached teacher sample, its tensors on ``device`` (the adapter's) but those read as numbers. With
+    """A cached teacher sample, its tensors on ``device`` (the adapter's; a GPU's copies queued, the host not
+    waiting for them) but those read as numbers. With
     ``layers``, only those layers' tensors are read (the rest stay on disk: a step of the 8B recipe trains 8 of
     32) beside the sample's own (ids, surprisal, positions, the layer list)."""
     wanted = None if layers is None else {str(layer) for layer in layers}
     with _reading(path) as f:
-        return {name: f.get_tensor(name).to("cpu" if _read_as_numbers(name) else device) for name in f.keys()
-                if wanted is None or not _per_layer(name) or name.rsplit(".", 1)[1] in wanted}
+        return {name: to_device(f.get_tensor(name), "cpu" if _read_as_numbers(name) else device)
+                for name in f.keys() if wanted is None or not _per_layer(name) or name.rsplit(".", 1)[1] in wanted}
 
 
 def sample_layers(path: Path) -> list[int]:

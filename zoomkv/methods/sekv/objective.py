@@ -95,9 +95,9 @@ def prefix_student(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, surpris
         above = region & (z > tau.detach())
         most = int(cfg.anchor_fraction * n)
         hard = torch.zeros(n, device=k.device)
-        if most > 0 and bool(above.any()):
-            top = z.masked_fill(~above, float("-inf")).topk(min(most, int(above.sum()))).indices
-            hard[top] = 1.0
+        if most > 0:  # the `most` highest, of which those below the threshold (-inf here) are not anchors
+            top = z.masked_fill(~above, float("-inf")).topk(most)
+            hard.scatter_(0, top.indices, top.values.isfinite().float())
     anchor = hard + (soft - soft.detach()) * region
     hashed = None
     if adapter.hash_bits:
@@ -246,15 +246,22 @@ def candidate_miss(logits: torch.Tensor, teacher: torch.Tensor, region: torch.Te
     return (weight * miss).sum() / weight.sum().clamp_min(1e-9)
 
 
+def recalled_rows(adapter: SeKVAdapter, budget: int, cfg: SeKVConfig) -> torch.Tensor:
+    """Per adapter layer, the rows the router recalls at the layer's (continuous) budget: its trained share of
+    ``budget`` less the summary row, the sinks and the recent rows."""
+    return budget * adapter.layer_shares() - 1 - (cfg.sinks + cfg.recent)
+
+
 def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                     teacher: torch.Tensor, surprisal: torch.Tensor, t: int, scaling: float, budget: int,
                     cfg: SeKVConfig, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    gate_values: bool = True, with_recall: bool = False) -> Losses | None:
+                    gate_values: bool = True, with_recall: bool = False, whole: int | None = None) -> Losses | None:
     """Losses at query position ``t`` of adapter layer ``layer``: ``keys``/``values`` ``[h, T, d]``,
     ``query`` ``[hq, d]``, ``teacher`` ``[hq, T]`` attention probabilities, ``rope``: the rows' ``cos, sin``
     ``[T, d]`` (for a host tier that takes keys before RoPE), ``gate_values``: False keeps every value
-    direction (the rank budget cuts only the keys). None when the prefix fits the budget (every row is
-    attended: nothing to learn)."""
+    direction (the rank budget cuts only the keys), ``whole``: the layer's integer budget as inference recalls
+    it, ``round(recalled_rows(...)[layer])`` (read once a step by the caller: a GPU waits for that read; None:
+    read here). None when the prefix fits the budget (every row is attended: nothing to learn)."""
     n = t + 1
     always = cfg.sinks + cfg.recent
     if n <= budget - 1 or n <= always + 1:
@@ -276,9 +283,9 @@ def position_losses(adapter: SeKVAdapter, layer: int, keys: torch.Tensor, values
     if student.rescored is not None:  # the gains serve both stages
         rank = (rank + ranking(router_logits(adapter, layer, student, query, scaling, stage=2))) / 2
     anchor = student.soft_anchor.sum() / max(1, inside)
-    share = adapter.layer_shares()[layer]
-    rows = budget * share - 1 - always  # rows the router recalls at this layer's (continuous) budget
-    whole = round(float(rows.detach()))  # the integer budget inference recalls at
+    rows = recalled_rows(adapter, budget, cfg)[layer]
+    if whole is None:
+        whole = round(float(rows.detach()))
     vote = selection_order(adapter, layer, student, query, scaling, logits, region, max(1, whole), cfg,
                            inside)  # [h, n]
     kept = captured_mass(a, vote, rows, region, inside)
@@ -492,6 +499,7 @@ class SeKVTraining(MethodTraining):
         scaling = float(sample["scaling"])
         names = ("rank", "anchor", "split", "out", "kept") + (("recall",) if o.w_recall else ())
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+        wholes = [round(x) for x in recalled_rows(modules, recipe.budget, mcfg).detach().tolist()]  # one read
         for layer in layers:
             pos = all_layers.index(layer)
             keys, values = sample[f"k.{layer}"].float(), sample[f"v.{layer}"].float()
@@ -500,7 +508,7 @@ class SeKVTraining(MethodTraining):
                 losses = position_losses(modules, pos, keys, values, sample[f"q.{layer}"][:, p],
                                          sample[f"attn.{layer}"][:, p].float(), sample["surprisal"], t, scaling,
                                          recipe.budget, mcfg, rope, gate_values=o.host_rank_values,
-                                         with_recall=bool(o.w_recall))
+                                         with_recall=bool(o.w_recall), whole=wholes[pos])
                 if losses is not None:
                     for k in parts:
                         parts[k].append(getattr(losses, k))
@@ -511,16 +519,16 @@ class SeKVTraining(MethodTraining):
         # The share of principal directions the host keeps, over this step's layers only: Adam moves every
         # gate about as far each step whatever its gradient, so a hinge over all layers would pull down the
         # gates of layers whose output error this step does not see.
-        pos = [all_layers.index(layer) for layer in layers]
+        pos = [all_layers.index(layer) for layer in layers]  # (each picked alone: a list would be copied to a GPU)
         gated = slice(None) if o.host_rank_values else slice(0, 1)  # the kinds under the budget: keys (0), values (1)
-        host = kept_share(modules.rank_gate[pos][:, gated])
+        host = kept_share(torch.stack([modules.rank_gate[p] for p in pos])[:, gated])
         loss = (o.w_rank * mean["rank"] + o.w_anchor * mean["anchor"] + o.w_split * mean["split"]
                 + o.w_out * mean["out"] + o.w_host * torch.relu(host - o.host_rank_target))
         if o.w_recall:
             loss = loss + o.w_recall * mean["recall"]
-        kept_dirs = float((modules.rank_gate[:, gated] > 0).float().mean())
-        logs = {k: v.item() for k, v in mean.items()} | {"host_rank": kept_dirs, "loss": loss.item()}
-        return loss, logs
+        kept_dirs = (modules.rank_gate[:, gated] > 0).float().mean()
+        numbers = torch.stack([*mean.values(), kept_dirs, loss.detach()]).tolist()  # one read, not one a number
+        return loss, dict(zip([*mean, "host_rank", "loss"], numbers, strict=True))
 
     def report(self, modules: SeKVAdapter, recipe: Any, samples: list[Sample]) -> dict[str, Any] | None:
         """On held-out cached samples: per layer, the teacher mass the router's selection captures at the

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from zoomkv.errors import ConfigError
+from zoomkv.memory.pinned import to_device
 from zoomkv.methods.semantic_id.method import SemanticID, SemanticIDConfig
 from zoomkv.methods.semantic_id.projector import InputCorrection, SemanticProjector, pca_basis, semantic_input
 from zoomkv.protocol.method import check_hyperparameters
@@ -124,7 +125,7 @@ def neighbour_loss(sem: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     whose values fail ``value_threshold`` pushed a further 10σ away) against the student's softmax over
     semantic cosine similarity at ``temperature``; KL(teacher || student), averaged over rows."""
     n = keys.shape[0]
-    eye = torch.eye(n, dtype=torch.bool)
+    eye = torch.eye(n, dtype=torch.bool, device=keys.device)
     v = F.normalize(values.float(), dim=-1)
     far = (v @ v.T < value_threshold).float() * 10.0
     teacher = torch.softmax((-logit_gaps(keys, queries, scaling) / sigma - far).masked_fill(eye, float("-inf")), -1)
@@ -157,7 +158,7 @@ def step_loss(projector: SemanticProjector | InputCorrection, sample: dict[str, 
     first_query = int(sample["positions"].min())
     sinks = mcfg.num_sinks
     g = torch.Generator().manual_seed(seed)
-    losses, pos_rates, neg_rates, pos_share = [], [], [], []
+    losses, rates = [], []
     for layer in layers:
         keys, values, queries = sample[f"k.{layer}"], sample[f"v.{layer}"], sample[f"q.{layer}"]
         kv_heads, q_heads = keys.shape[0], queries.shape[0]
@@ -165,14 +166,15 @@ def step_loss(projector: SemanticProjector | InputCorrection, sample: dict[str, 
         visible = first_query - sinks  # rows every cached query sees (sinks never merge)
         if visible < 4:
             continue
-        idx = sinks + torch.randperm(visible, generator=g)[:rows]
-        off_diag = ~torch.eye(len(idx), dtype=torch.bool)
+        # the host's seeded draw (the same rows on any device), copied once a layer, queued
+        idx = to_device(sinks + torch.randperm(visible, generator=g)[:rows], keys.device)
+        pairs = off_diagonal(len(idx), keys.device)
         for h in range(kv_heads):
             k, v = keys[h, idx], values[h, idx]
             q = queries[h * group : (h + 1) * group].reshape(-1, queries.shape[-1])
-            target = pair_targets(k, v, q, scaling, sigma, mcfg.value_threshold)[off_diag].float()
+            target = pair_targets(k, v, q, scaling, sigma, mcfg.value_threshold).flatten()[pairs].float()
             sem = student_semantic(projector, keys[h], values[h], idx, slice(sinks, first_query), mcfg.sem_dim)
-            prob = collision_probability(sem, mcfg.id_bits)[off_diag]
+            prob = collision_probability(sem, mcfg.id_bits).flatten()[pairs]
             n_pos = target.sum()
             if loss == "neighbours":
                 losses.append(neighbour_loss(sem, k, v, q, scaling, sigma, mcfg.value_threshold, temperature))
@@ -181,17 +183,28 @@ def step_loss(projector: SemanticProjector | InputCorrection, sample: dict[str, 
                 pos_weight = ((target.numel() - n_pos) / n_pos.clamp_min(1)).clamp(max=50.0)
                 weight = torch.where(target > 0, pos_weight, torch.ones_like(target))
                 losses.append(F.binary_cross_entropy(prob.clamp(1e-6, 1 - 1e-6), target, weight=weight))
-            with torch.no_grad():
-                pos_share.append(float(target.mean()))
-                if n_pos > 0:
-                    pos_rates.append(float(prob[target > 0].mean()))
-                neg_rates.append(float(prob[target == 0].mean()))
+            with torch.no_grad():  # the head's logged rates, kept where they are until the step's one read
+                n_neg = target.numel() - n_pos
+                rates.append(torch.stack([target.mean(), (n_pos > 0).float(),
+                                          (prob * target).sum() / n_pos.clamp_min(1),
+                                          (prob * (1 - target)).sum() / n_neg.clamp_min(1)]))
     if not losses:
         return sum(p.sum() * 0 for p in projector.parameters()), {}
     loss = torch.stack(losses).mean()
-    logs = {"loss": loss.item(), "equivalent": sum(pos_share) / len(pos_share),
-            "collide_eq": sum(pos_rates) / max(1, len(pos_rates)), "collide_other": sum(neg_rates) / len(neg_rates)}
+    first, *heads = torch.cat([loss.detach()[None], torch.cat(rates)]).tolist()  # one read, not five a head
+    share, has_pos, pos_rate, neg_rate = (heads[i::4] for i in range(4))
+    logs = {"loss": first, "equivalent": sum(share) / len(share),
+            "collide_eq": sum(r for r, has in zip(pos_rate, has_pos, strict=True) if has) / max(1, sum(has_pos)),
+            "collide_other": sum(neg_rate) / len(neg_rate)}
     return loss, logs
+
+
+def off_diagonal(n: int, device: torch.device) -> torch.Tensor:
+    """The flat indices of an ``[n, n]`` matrix's entries off its diagonal, row by row (what a boolean mask
+    ``~eye`` picks, in fixed shape: no wait for its count on a GPU)."""
+    row = torch.arange(n, device=device)[:, None]
+    col = torch.arange(n - 1, device=device)[None, :]
+    return (row * n + col + (col >= row)).flatten()
 
 
 def hyper(modules: SemanticProjector | InputCorrection, cfg: Any) -> dict[str, Any]:
