@@ -105,8 +105,8 @@ def copy_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host ``tensor`` on ``device`` without the host waiting: to a GPU through torch's pinned memory, the copy
-    queued (one from pageable memory waits for the GPU's queue first; torch keeps a pinned block until its copy
-    has landed), so the host goes on (reading the next sample) while the GPU computes."""
+    queued behind the GPU's work (one from pageable memory waits for that work first; torch keeps a pinned block
+    until its copy has landed)."""
     if torch.device(device).type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
