@@ -208,7 +208,8 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, optio
     device, the method's objective's loss is computed there, the report, the held-out scores and the export read the
     trained adapter there.
     A step waits for the GPU only where it needs numbers: the guard before the update and the one after it, the
-    step's logs, sekv's integer layer budgets; the sample's copies are queued from pinned memory (sekv's step waited
+    step's logs, sekv's integer layer budgets; the sample is read from disk while the step before trains, and its
+    copies are queued from pinned memory (sekv's step waited
     41 times, semantic_id's 60, and the listwise loss put a CPU mask on the GPU's tensors). The first step also
     copies sekv's constant tables, once. Autograd's engine and the optimiser's step ask torch for a real
     accelerator, which the stand-in is not: the backward and the update are left out (their gradients are the
@@ -218,6 +219,7 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, optio
     import zoomkv.train.loop as loop
     from zoomkv.cli import run_command
     from zoomkv.models import load_model
+    from zoomkv.train import teacher
 
     cuda_standin.as_gpu(monkeypatch)
     losses: list[torch.device] = []
@@ -233,6 +235,14 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, optio
 
     real_step = loop.train_step
     monkeypatch.setattr(loop, "train_step", counted)
+    readers: list[teacher.SampleReader] = []
+
+    class Noted(teacher.SampleReader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    monkeypatch.setattr(loop, "SampleReader", Noted)
     model, tokenizer = load_model("tiny-llama")
     shape = tmp_path / "shape"
     model.config.save_pretrained(shape)
@@ -248,6 +258,7 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, optio
     assert code == 0
     assert losses and set(losses) == {torch.device("cuda", 0)}, losses
     assert len(step_waits) == 2 and len(step_waits[1]) == waits, step_waits
+    assert readers[0].ahead_used == 1  # the second step's sample, read while the first trained
     assert len(list((tmp_path / "out").glob("*/adapter/adapter_model.safetensors"))) == 1
     assert len(list((tmp_path / "out").glob("*/eval.json"))) == 1  # the held-out scores, computed on the GPU
 

@@ -142,9 +142,10 @@ def _loss_decreases(cache: Path) -> None:
 
 def test_a_step_reads_only_its_layers_of_a_sample(tmp_path):
     """A micro-batch reads the sample's own tensors and its picked layers' (the rest stay on disk), the same
-    tensors a whole read gives; a sample file cut short is one line naming it."""
+    tensors a whole read gives, read in place or ahead on a thread; a sample file cut short is one line naming
+    it."""
     from zoomkv.train.loop import micro_batch
-    from zoomkv.train.teacher import build_cache, extract_sample, load_sample
+    from zoomkv.train.teacher import SampleReader, build_cache, extract_sample, load_sample
 
     model, tokenizer = load_model("tiny-llama")[:2]
     cache = tmp_path / "teacher"
@@ -165,9 +166,20 @@ def test_a_step_reads_only_its_layers_of_a_sample(tmp_path):
     moved = load_sample(path, "meta", layers)
     host = {"ids", "positions", "layers", "scaling", *(f"rotary_scaling.{layer}" for layer in layers)}
     assert {name for name, tensor in moved.items() if tensor.device.type == "cpu"} == host
+    # read ahead on a thread (as on a GPU, while the micro-batch before trains): the same tensors; a sample asked
+    # for that was not read ahead is read then
+    with SampleReader("cpu") as reader:
+        reader.read_ahead(path, layers)
+        ahead, _, _ = micro_batch(cfg, 1, 0, 1, [path], reader=reader)
+        other = micro_batch(cfg, 1, 0, 1, [path], reader=reader)[0]
+        assert reader.ahead_used == 1
+    assert all(torch.equal(ahead[name], sample[name]) and torch.equal(other[name], sample[name]) for name in sample)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ZoomKVError, match="teacher sample .* cannot be read"):
         micro_batch(cfg, 1, 0, 1, [path])
+    with SampleReader("cpu") as reader, pytest.raises(ZoomKVError, match="teacher sample .* cannot be read"):
+        reader.read_ahead(path, layers)  # (the thread's error reaches the step that asks for the sample)
+        reader.load(path, layers)
 
 
 def _run(tmp_path: Path, out: str, *extra: str) -> subprocess.CompletedProcess:

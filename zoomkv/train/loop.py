@@ -62,7 +62,7 @@ from zoomkv.train.guards import (
 )
 from zoomkv.train.heldout import evaluate, write_eval
 from zoomkv.train.sizing import KNOWN_CONFIGS, build_adapter, check_fraction, freeze_parameters
-from zoomkv.train.teacher import CachedSamples, build_cache, load_sample, sample_layers
+from zoomkv.train.teacher import CachedSamples, SampleReader, build_cache, load_sample, sample_layers
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +139,21 @@ def _train(cfg: TrainConfig, accelerator: Any, tracking: bool) -> Path:
     bar = tqdm(total=cfg.steps, initial=start_step, desc="train",
                disable=not (accelerator.is_local_main_process and progress_shown()))
     t0 = time.time()
-    for step in range(start_step + 1, cfg.steps + 1):
-        losses, length = train_step(engine, cfg, step, paths)
-        bar.update(1)
-        if losses and (step % cfg.log_every == 0 or step == 1):
-            bar.set_postfix(loss=f"{losses['loss']:.4f}")
-            log.info("step %d: %s len=%d (%.0fs)", step, " ".join(f"{k}={v:.4f}" for k, v in losses.items()),
-                     length, time.time() - t0)
-            if tracking:
-                accelerator.log({f"train/{k}": v for k, v in losses.items()}, step=step)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save_step(engine, cfg, step, shape, base)
-        if cfg.kill_at_step and step == cfg.kill_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
+    # on a GPU each sample is read while the one before trains (on the CPU the read would take from its compute)
+    with SampleReader(accelerator.device, ahead=accelerator.device.type == "cuda") as reader:
+        for step in range(start_step + 1, cfg.steps + 1):
+            losses, length = train_step(engine, cfg, step, paths, reader)
+            bar.update(1)
+            if losses and (step % cfg.log_every == 0 or step == 1):
+                bar.set_postfix(loss=f"{losses['loss']:.4f}")
+                log.info("step %d: %s len=%d (%.0fs)", step, " ".join(f"{k}={v:.4f}" for k, v in losses.items()),
+                         length, time.time() - t0)
+                if tracking:
+                    accelerator.log({f"train/{k}": v for k, v in losses.items()}, step=step)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_step(engine, cfg, step, shape, base)
+            if cfg.kill_at_step and step == cfg.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, no cleanup, no final save
     bar.close()
     check_processes_agree(accelerator, engine.adapter)
 
@@ -274,22 +276,43 @@ def prepare_engine(accelerator: Any, adapter: torch.nn.Module, cfg: TrainConfig)
     return Engine(accelerator, raw, prepared, optimizer, moments, ds)
 
 
-def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int, paths: list[Path],
-                device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], list[int], random.Random]:
-    """Micro-batch ``micro`` of ``step`` (``total`` per step over all processes): its sample (the length
-    curriculum), its layers and its random draws, all functions of (seed, step, micro) so a resumed run
-    needs only the step. The global batch is numbered alike however it is split over processes
-    (2 processes x 1 sample = 1 process x 2 samples). The sample's tensors on ``device``, the adapter's."""
+def micro_plan(cfg: TrainConfig, step: int, micro: int, total: int, paths: list[Path]
+               ) -> tuple[Path, list[int], random.Random]:
+    """Micro-batch ``micro`` of ``step`` (``total`` per step over all processes): its sample's file (the length
+    curriculum), its layers and its random draws, all functions of (seed, step, micro) so a resumed run needs
+    only the step. The global batch is numbered alike however it is split over processes (2 processes x 1
+    sample = 1 process x 2 samples)."""
     rng = random.Random(cfg.seed * 7919 + step * 31 + micro)
-    torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
     path = paths[curriculum_index(step * total + micro, cfg.steps * total, len(paths), cfg.seed)]
     every = sample_layers(path)
     layers = sorted(rng.sample(every, min(cfg.layers_per_step or len(every), len(every))))
-    sample = load_sample(path, device, layers)  # the other layers' tensors stay on disk
+    return path, layers, rng
+
+
+def micro_batch(cfg: TrainConfig, step: int, micro: int, total: int, paths: list[Path],
+                device: torch.device | str = "cpu", reader: SampleReader | None = None
+                ) -> tuple[dict[str, torch.Tensor], list[int], random.Random]:
+    """``micro_plan``'s micro-batch, its sample's tensors on ``device`` (the adapter's; through ``reader`` when it
+    read them ahead), torch's random state seeded for it."""
+    torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + micro)
+    path, layers, rng = micro_plan(cfg, step, micro, total, paths)
+    # the other layers' tensors stay on disk
+    sample = reader.load(path, layers) if reader is not None else load_sample(path, device, layers)
     return sample, layers, rng
 
 
-def train_step(engine: Engine, cfg: TrainConfig, step: int, paths: list[Path]) -> tuple[dict[str, float], int]:
+def read_next(reader: SampleReader, cfg: TrainConfig, step: int, j: int, accelerator: Any, paths: list[Path]) -> None:
+    """The sample of the micro-batch after this process's ``j``-th of ``step``, read while ``j`` trains."""
+    per_proc = cfg.samples_per_step
+    step, j = (step, j + 1) if j + 1 < per_proc else (step + 1, 0)
+    if step <= cfg.steps:
+        path, layers, _ = micro_plan(cfg, step, accelerator.process_index * per_proc + j,
+                                     accelerator.num_processes * per_proc, paths)
+        reader.read_ahead(path, layers)
+
+
+def train_step(engine: Engine, cfg: TrainConfig, step: int, paths: list[Path], reader: SampleReader | None = None
+               ) -> tuple[dict[str, float], int]:
     """One optimiser step: ``samples_per_step`` micro-batches on each process, their gradients averaged over
     micro-batches and processes, clipped, applied; stopped before anything is kept if the loss, gradient or
     update is not finite. Plain AdamW steps here; DeepSpeed's engine reduces, clips and steps inside the
@@ -298,10 +321,12 @@ def train_step(engine: Engine, cfg: TrainConfig, step: int, paths: list[Path]) -
     per_proc = cfg.samples_per_step
     losses: dict[str, float] = {}
     total_loss = torch.zeros((), device=accelerator.device)  # read by the guard with the gradient's norm
+    total = accelerator.num_processes * per_proc
     for j in range(per_proc):
         micro = accelerator.process_index * per_proc + j
-        sample, layers, rng = micro_batch(cfg, step, micro, accelerator.num_processes * per_proc, paths,
-                                          accelerator.device)
+        sample, layers, rng = micro_batch(cfg, step, micro, total, paths, accelerator.device, reader)
+        if reader is not None and reader.reads_ahead:
+            read_next(reader, cfg, step, j, accelerator, paths)
         loss, losses = cfg.training.step_loss(engine.adapter, sample, layers, cfg, step, rng)
         total_loss = total_loss + loss.detach().float()
         if engine.deepspeed:  # the engine divides by samples_per_step, reduces, clips and steps after the last one
