@@ -27,12 +27,12 @@ install-gemma: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m zoomkv.demo
 
-# The suite in one process per core, a test file to a process (its module fixtures load once); most tests use one
-# core. TEST_WORKERS=0: one process.
+# The suite in one process per core, at most 4 (each holds its own models: up to ~3 GB), a test file to a process
+# (its module fixtures load once); most tests use one core. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # The fast tier leaves out the tests marked `slow` (a real model) and `heavy` (training or launcher
 # subprocesses, DeepSpeed, the long eval matrix); `pytest -m "slow or heavy"` runs just those.
