@@ -209,11 +209,10 @@ def test_standin_trains_on_the_gpu(standin, monkeypatch, tmp_path, recipe, optio
     trained adapter there.
     A step waits for the GPU only where it needs numbers: the guard before the update and the one after it, the
     step's logs, sekv's integer layer budgets; the sample is read from disk while the step before trains, and its
-    copies are queued from pinned memory (sekv's step waited
-    41 times, semantic_id's 60, and the listwise loss put a CPU mask on the GPU's tensors). The first step also
-    copies sekv's constant tables, once. Autograd's engine and the optimiser's step ask torch for a real
-    accelerator, which the stand-in is not: the backward and the update are left out (their gradients are the
-    CPU's, tests/test_train.py)."""
+    copies are queued from pinned memory (sekv's step waited 41 times, semantic_id's 60, and the listwise loss put
+    a CPU mask on the GPU's tensors). The first step also copies sekv's constant tables, once. Autograd's engine
+    and the optimiser's step ask torch for a real accelerator, which the stand-in is not: the backward and the
+    update are left out (their gradients are the CPU's, tests/test_train.py)."""
     import accelerate
 
     import zoomkv.train.loop as loop
