@@ -28,18 +28,6 @@ def tiny(request):
     return load_model(getattr(request, "param", "tiny-llama"), device=getattr(request.module, "TINY_DEVICE", None))
 
 
-# The longest test files first: `make test` hands whole files to its processes in collection order, and a long
-# file handed out last runs alone at the end (minutes of one busy core out of two).
-LONGEST_FIRST = ("test_cuda_standin.py", "test_smollm2.py", "test_train_deepspeed.py", "test_train.py",
-                 "test_eval_harness.py", "test_kernels.py", "test_compile_step.py", "test_hardening3.py",
-                 "test_eval_shards.py", "test_graphs.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
-
-
 def pytest_generate_tests(metafunc):
     names = getattr(metafunc.module, "TINY_MODELS", None)
     if names and "tiny" in metafunc.fixturenames:
