@@ -538,6 +538,7 @@ class SeKVTraining(MethodTraining):
         oracle: dict[int, list[float]] = {}
         anchors: list[float] = []
         with torch.no_grad():
+            recalled = recalled_rows(modules, recipe.budget, mcfg)  # what training recalls at, per layer
             for sample in samples:
                 scaling = float(sample["scaling"])
                 for pos, layer in enumerate(sample["layers"].tolist()):
@@ -552,8 +553,7 @@ class SeKVTraining(MethodTraining):
                         h, g = logits.shape[:2]
                         at = a[:, :n].view(h, g, n)
                         region, inside = prefix_region(n, mcfg, at.device)
-                        rows = torch.tensor(recipe.budget * float(modules.layer_shares()[pos]) - 1
-                                            - mcfg.sinks - mcfg.recent, device=at.device)
+                        rows = recalled[pos]
                         order = selection_order(modules, pos, student, sample[f"q.{layer}"][:, p], scaling, logits,
                                                 region, max(1, round(float(rows))), mcfg, inside)
                         kept.setdefault(pos, []).append(float(captured_mass(at, order, rows, region, inside)))
