@@ -28,11 +28,13 @@ demo: $(STAMP)
 	$(PY) -m zoomkv.demo
 
 # The suite in one process per core, at most 4 (each holds its own models: up to ~3 GB), a test file to a process
-# (its module fixtures load once); most tests use one core. TEST_WORKERS=0: one process.
+# (its module fixtures load once); most tests use one core. TEST_WORKERS=0: one process. Files are handed out in
+# collection order, which tests/conftest.py starts with the longest (xdist's default order, most tests first, left
+# the few long real-model files to the end, one process busy alone for minutes).
 TEST_WORKERS ?= auto
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # The fast tier leaves out the tests marked `slow` (a real model) and `heavy` (training or launcher
 # subprocesses, DeepSpeed, the long eval matrix); `pytest -m "slow or heavy"` runs just those.

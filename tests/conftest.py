@@ -28,6 +28,18 @@ def tiny(request):
     return load_model(getattr(request, "param", "tiny-llama"), device=getattr(request.module, "TINY_DEVICE", None))
 
 
+# The longest test files first (seconds of one process, measured with --junitxml): `make test` hands whole files to
+# its processes in collection order (`--no-loadscope-reorder`), and a long file handed out last runs alone at the end.
+LONGEST_FIRST = ("test_smollm2.py", "test_cuda_standin.py", "test_kernels.py", "test_compile_step.py",
+                 "test_train_deepspeed.py", "test_graphs.py", "test_hardening3.py", "test_train.py",
+                 "test_eval_harness.py", "test_eval_shards.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
+
+
 def pytest_generate_tests(metafunc):
     names = getattr(metafunc.module, "TINY_MODELS", None)
     if names and "tiny" in metafunc.fixturenames:
