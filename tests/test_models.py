@@ -317,3 +317,34 @@ def test_smollm2_loads_generates_and_caches(monkeypatch):
     assert time.perf_counter() - started < 10
     with torch.no_grad():
         assert torch.equal(model(**enc).logits, again(**enc).logits)
+
+
+# ------------------------------------------------------------------------------------------- transformers versions
+@pytest.mark.parametrize("version, admitted", [("5.12.1", False), ("5.13.0", True), ("5.17.0", True),
+                                               ("5.25.0", True), ("5.30.0.dev0", True), ("6.0.0", False),
+                                               ("4.57.6", False)])
+def test_transformers_outside_the_supported_releases_is_refused(version, admitted):
+    from zoomkv import compat
+    from zoomkv.errors import UnsupportedDependency
+
+    if admitted:
+        compat.check_version(version)
+    else:
+        with pytest.raises(UnsupportedDependency, match=f"found {version}: pip install 'transformers>=5.13,<6'"):
+            compat.check_version(version)
+
+
+def test_the_command_refuses_an_old_transformers_in_one_line(tmp_path):
+    """5.12's cache layers have another interface (a cache would fail deep in generate): the command says which
+    release it needs, one line, exit 2; the installed release is what this process runs with."""
+    import subprocess
+    import sys
+
+    script = ("import runpy, sys, transformers\ntransformers.__version__ = '5.12.1'\n"
+              "sys.argv = ['zoomkv', 'methods']\nrunpy.run_module('zoomkv', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "zoomkv: error: zoomkv needs transformers >=5.13,<6, found 5.12.1: pip install 'transformers>=5.13,<6'"]
+    assert done.stdout == ""

@@ -41,6 +41,15 @@ except KeyboardInterrupt:
 
     print("zoomkv: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
+except ImportError as err:  # a dependency outside the versions zoomkv works with (zoomkv.compat): one line
+    from zoomkv.errors import UnsupportedDependency
+
+    if not (isinstance(err, UnsupportedDependency) and _started_as_command()):
+        raise
+    import sys
+
+    print(f"zoomkv: error: {err}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def _register_with_peft() -> None:

@@ -1,4 +1,6 @@
-"""Every call that depends on the transformers version lives here (tested with transformers 5.24 and 5.25).
+"""Every call that depends on the transformers version lives here (the whole test suite passes with
+transformers 5.13, 5.17 and 5.25; 5.12 and older have another cache-layer interface, ``get_max_cache_shape``
+and ``get_mask_sizes(cache_position)``, and are refused on import).
 
 - 5.x renames the cache argument of forward/generate from ``past_key_values`` to ``cache`` (5.24 warns on
   the old name); ``cache_kwarg()`` says which one this version takes.
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -20,9 +23,25 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from zoomkv.errors import UnsupportedDependency
+
 __all__ = ["sdpa_attention_forward", "cache_kwarg", "register_attention", "layer_types", "TRANSFORMERS_VERSION"]
 
 TRANSFORMERS_VERSION = transformers.__version__
+# The releases pyproject.toml admits: the cache-layer interface zoomkv.memory.layer implements is 5.13's.
+SUPPORTED = ((5, 13), (6,))
+
+
+def check_version(version: str = TRANSFORMERS_VERSION) -> None:
+    """Refuse a transformers release outside ``SUPPORTED`` (one line, on import), not a failure deep in a cache."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+        low, high = (".".join(map(str, v)) for v in SUPPORTED)
+        raise UnsupportedDependency(f"zoomkv needs transformers >={low},<{high}, found {version}: "
+                                    f"pip install 'transformers>={low},<{high}'")
+
+
+check_version()
 
 
 @cache

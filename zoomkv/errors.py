@@ -25,6 +25,11 @@ class PromptError(ZoomKVError):
     """An empty prompt, or one longer than the model accepts."""
 
 
+class UnsupportedDependency(ImportError):
+    """An installed package outside the versions zoomkv works with (raised on import; the command prints it as
+    one line)."""
+
+
 class BudgetExceededError(RuntimeError):
     """A method held more device-tier rows than its budget allows. Always a bug in that method."""
 
