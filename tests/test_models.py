@@ -334,9 +334,9 @@ def test_transformers_outside_the_supported_releases_is_refused(version, admitte
             compat.check_version(version)
 
 
-def test_the_command_refuses_an_old_transformers_in_one_line(tmp_path):
+def test_the_command_refuses_an_old_transformers_in_one_line():
     """5.12's cache layers have another interface (a cache would fail deep in generate): the command says which
-    release it needs, one line, exit 2; the installed release is what this process runs with."""
+    release it needs, one line, exit 2 (the child process reports 5.12.1 for the installed transformers)."""
     import subprocess
     import sys
 
